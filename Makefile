@@ -1,0 +1,42 @@
+# posttrain: `make demo` runs the main job on the embedded default, `make test` passes the suite.
+# Override the torch build with e.g. `make demo TORCH_SPEC="torch==2.6.0+cu124 --index-url ..."`
+# or `TORCH_SPEC=skip` to keep the torch already in the environment.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.posttrain-installed
+SYSDEPS := $(VENV)/.posttrain-sysdeps
+
+.PHONY: setup demo test test-all bench clean sysdeps
+
+setup: $(STAMP) $(SYSDEPS)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if [ "$(TORCH_SPEC)" != "skip" ]; then $(PIP) install -q $(TORCH_SPEC); fi
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+# bubblewrap (the sandbox) and chromium (the report test): installed where missing and we are root,
+# otherwise scripts/sysdeps.sh says what to install.
+$(SYSDEPS): scripts/sysdeps.sh
+	sh scripts/sysdeps.sh
+	@mkdir -p $(VENV) && touch $@
+
+demo: setup
+	$(VENV)/bin/posttrain demo
+
+test: setup
+	$(PY) -m pytest -q -x
+
+test-all: setup
+	$(PY) -m pytest -q -m '' 
+
+bench: setup
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .bench

@@ -1,0 +1,16 @@
+#!/bin/sh
+# System packages posttrain uses: bubblewrap (sandbox for untrusted code) and chromium (report rendering test).
+# Installs them with apt where they are missing and we are root; otherwise says how.
+missing=""
+command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing system packages:$missing"
+  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null && exit 0
+  echo "apt-get could not install:$missing" >&2
+fi
+echo "posttrain needs:$missing. Install with: sudo apt-get install -y$missing" >&2
+echo "(bubblewrap is required for code-execution rewards; chromium only for the report rendering test)" >&2
+# Not fatal: the parts that need them fail with a clear error naming the package.
+exit 0

@@ -1,0 +1,46 @@
+"""Typed recipes: YAML + `a.b=c` overrides validated by pydantic, with errors that name the key.
+
+    from posttrain.config import load_recipe, SFTRecipe
+    recipe = load_recipe("recipe.yaml", ["optim.lr=3e-4"], SFTRecipe)
+"""
+
+from posttrain.config.common import (
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    RuntimeConfig,
+    Section,
+    TrackingConfig,
+)
+from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
+from posttrain.config.sft import (
+    DataSource,
+    DecontaminationConfig,
+    DedupConfig,
+    MixConfig,
+    SFTDataConfig,
+    SFTRecipe,
+    SFTTrainConfig,
+)
+
+__all__ = [
+    "RECIPES",
+    "ConfigError",
+    "DataSource",
+    "DecontaminationConfig",
+    "DedupConfig",
+    "LoraConfig",
+    "MixConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RuntimeConfig",
+    "SFTDataConfig",
+    "SFTRecipe",
+    "SFTTrainConfig",
+    "Section",
+    "TrackingConfig",
+    "dump_recipe",
+    "load_recipe",
+    "parse_override",
+    "recipe",
+]

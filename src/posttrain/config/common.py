@@ -1,0 +1,73 @@
+"""Recipe sections shared by every stage: model, optimisation, tracking.
+
+Every section is a strict pydantic model: an unknown key or a wrong type is an error that names the key
+(see `posttrain.config.load`). Defaults are the embedded default: the tiny built-in model on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TINY_PRESETS = ("tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m")
+
+
+class Section(BaseModel):
+    """Base for recipe sections: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    r: int = Field(8, gt=0)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # The final checkpoint is the base with the adapter merged in (a plain HF directory); intermediate
+    # checkpoints also keep `adapter/` so a resume continues the same adapter exactly.
+    merge_on_save: bool = True
+
+
+class ModelConfig(Section):
+    path: str | None = None  # a local Hugging Face directory; unset = the built-in tiny model
+    preset: Literal["tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m"] = "tiny-3m"
+    tokenizer_path: str | None = None  # defaults to `path`, or the built-in tokenizer
+    chat_template: str | None = None  # a Jinja template (or a file holding one) to use instead
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # how parameters are stored
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    lora: LoraConfig = LoraConfig()
+    seed: int = 0  # initialisation of the built-in model
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+
+class RuntimeConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": bf16 autocast where the device runs it fast (CUDA with bf16, x86 CPUs with AVX512-BF16/AMX),
+    # fp32 otherwise. Parameters and optimizer state stay in `model.dtype` either way.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model's forward (needs a C++ compiler on CPU)
+    num_threads: int | None = None  # torch intra-op threads; unset = torch's default
+    seed: int = 0
+    debug: bool = False
+
+
+class TrackingConfig(Section):
+    tensorboard: bool = True
+    wandb: bool = False
+    mlflow: bool = False
+    progress: bool = True  # a rich progress bar with tokens/s and ETA on a terminal
+    project: str = "posttrain"
+    run_name: str | None = None

@@ -1,0 +1,92 @@
+"""The SFT recipe: chat data with metadata -> mixed, deduplicated, tokenized, packed -> fine-tuned model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.common import ModelConfig, OptimConfig, RuntimeConfig, Section, TrackingConfig
+from posttrain.config.load import recipe
+
+
+class DataSource(Section):
+    path: str
+    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
+    split: str | None = None  # for a saved DatasetDict
+    source: str | None = None  # metadata.source for records that lack one (default: the file name)
+
+
+class MixConfig(Section):
+    """Target shares over metadata groups.
+
+    `by: [domain]` with `weights: {arithmetic: 3, extraction: 1}` gives arithmetic 75% of each epoch.
+    With several keys a group is named by its values joined with '/', e.g. `arithmetic/3`.
+    Groups not named get `default_weight` (0 drops them). A group smaller than its share is repeated.
+    """
+
+    by: list[str] = []
+    weights: dict[str, float] = {}
+    default_weight: float = Field(1.0, ge=0)
+    samples_per_epoch: int | None = None  # unset: the number of samples after dedup
+
+
+class DedupConfig(Section):
+    exact: bool = True
+    near: bool = False  # MinHash near-duplicates
+    threshold: float = Field(0.85, gt=0, le=1)  # estimated Jaccard similarity
+    num_perm: int = 64
+    shingle: int = 5  # characters per shingle
+
+
+class DecontaminationConfig(Section):
+    """Drop training samples that overlap evaluation items (n-gram on tokens, plus exact match)."""
+
+    against: list[DataSource] = []  # eval sets (JSONL of chat samples or tasks)
+    ngram: int = Field(13, gt=0)
+
+
+class SFTDataConfig(Section):
+    train: list[DataSource] = []
+    heldout: list[DataSource] = []
+    heldout_fraction: float = Field(0.0, ge=0, lt=1)  # split by a hash of the prompt when no heldout is given
+    mix: MixConfig = MixConfig()
+    dedup: DedupConfig = DedupConfig()
+    decontaminate: DecontaminationConfig = DecontaminationConfig()
+    max_length: int = Field(512, gt=8)
+    pack: bool = True
+    on_invalid: Literal["error", "skip"] = "error"  # skip = count them and write a rejects file
+    reasoning: Literal["include", "drop"] = "include"  # render metadata.reasoning_trace as <think>..</think>
+
+
+class SFTTrainConfig(Section):
+    batch_size: int = Field(32, gt=0)  # sequences (packed rows when packing) per optimizer step
+    micro_batch_size: int | None = None  # gradient accumulation = batch_size / micro_batch_size
+    max_steps: int | None = None
+    epochs: float = Field(1.0, gt=0)
+    max_minutes: float | None = None  # stop after this much training time (checked every step)
+    log_every: int = Field(10, gt=0)
+    eval_every: int | None = None  # held-out loss every N steps (and at the end)
+    save_every: int | None = None  # checkpoint every N steps (and at the end)
+    keep_checkpoints: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _micro_divides(self):
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be a multiple of train.micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        return self
+
+
+@recipe("sft")
+class SFTRecipe(Section):
+    stage: Literal["sft"] = "sft"
+    output_dir: str = "runs/sft"
+    model: ModelConfig = ModelConfig()
+    data: SFTDataConfig = SFTDataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: SFTTrainConfig = SFTTrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()

@@ -1,0 +1,43 @@
+"""Models: load any local Hugging Face causal LM, build the tiny built-in one, LoRA, atomic checkpoints.
+
+    from posttrain.models import load_tokenizer, load_model, build_tiny_model, save_checkpoint
+"""
+
+from posttrain.models.checkpoint import (
+    capture_rng,
+    latest_checkpoint,
+    load_training_state,
+    restore_rng,
+    save_checkpoint,
+    save_model_dir,
+)
+from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
+from posttrain.models.lora import apply_lora, is_lora, merged_copy, reference_mode
+from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
+from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "END",
+    "ModelError",
+    "PAD",
+    "PRESETS",
+    "apply_lora",
+    "autocast_dtype",
+    "build_tiny_model",
+    "capture_rng",
+    "count_parameters",
+    "is_lora",
+    "latest_checkpoint",
+    "load_model",
+    "load_tokenizer",
+    "load_training_state",
+    "merged_copy",
+    "reference_mode",
+    "resolve_device",
+    "restore_rng",
+    "save_checkpoint",
+    "save_model_dir",
+    "tiny_config",
+    "train_tokenizer",
+]
