@@ -133,3 +133,29 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def load_weights_from_checkpoint(model: torch.nn.Module, checkpoint: Path) -> None:
+    """Copy a checkpoint's weights into `model` in place (the optimizer's references stay valid).
+
+    For a LoRA model this loads `adapter/`: loading the merged weights into a model that still has its
+    adapter would count the adapter twice.
+    """
+    from safetensors.torch import load_file
+
+    checkpoint = Path(checkpoint)
+    if is_lora(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
+        return
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])  # tied weights are saved once
+    missing = [name for name in missing if name not in tied]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"{checkpoint}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )

@@ -1,0 +1,127 @@
+"""Task domains: generators of `Task`s at difficulty levels, with a held-out split that never overlaps.
+
+A domain is registered with `@domain("name")` on a class (or factory) taking keyword arguments; it
+produces tasks with `make_task(rng, level)` and, for SFT, correct demonstrations with reasoning traces
+with `demonstration(task)`. Every task carries `metadata["problem_key"]`: the canonical identity of the
+problem, which decides its split by a salted hash. Train and held-out draws therefore never share a
+problem, however many are drawn, and a "fresh" draw with new seeds still respects the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+from posttrain.data import SampleMetadata, SFTSample
+from posttrain.types import PosttrainError, Task
+
+SPLITS = ("train", "heldout")
+
+
+class TaskError(PosttrainError):
+    """An unknown domain, a bad level, or a domain that cannot produce what was asked."""
+
+
+@runtime_checkable
+class Domain(Protocol):
+    name: str
+    max_level: int
+
+    def make_task(self, rng: random.Random, level: int) -> Task: ...
+
+    def demonstration(self, task: Task) -> SFTSample: ...
+
+
+DOMAINS: dict[str, Callable[..., Domain]] = {}
+
+
+def domain(name: str):
+    """Register a domain class or factory under `name`."""
+
+    def register(factory: Callable[..., Domain]) -> Callable[..., Domain]:
+        DOMAINS[name] = factory
+        return factory
+
+    return register
+
+
+def get_domain(name: str, **kwargs: Any) -> Domain:
+    if name not in DOMAINS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(DOMAINS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise TaskError(f"unknown task domain '{name}'{hint}; known: {', '.join(sorted(DOMAINS))}")
+    try:
+        return DOMAINS[name](**kwargs)
+    except TypeError as error:
+        raise TaskError(f"domain '{name}': bad arguments {kwargs} ({error})") from None
+
+
+def split_of(problem_key: str, heldout_fraction: float = 0.1, salt: str = "posttrain") -> str:
+    """'heldout' for a stable `heldout_fraction` of problem keys, 'train' for the rest."""
+    digest = hashlib.sha256(f"{salt}:{problem_key}".encode()).digest()
+    bucket = int.from_bytes(digest[:8], "big") / 2**64
+    return "heldout" if bucket < heldout_fraction else "train"
+
+
+def sample_tasks(
+    source: Domain,
+    count: int,
+    *,
+    level: int | Iterable[int],
+    split: str = "train",
+    seed: int = 0,
+    heldout_fraction: float = 0.1,
+    unique: bool = True,
+    max_tries_per_task: int = 200,
+) -> list[Task]:
+    """`count` tasks of `split` at `level` (or cycling over several levels), deterministic in `seed`."""
+    if split not in SPLITS:
+        raise TaskError(f"split must be one of {SPLITS}, got {split!r}")
+    levels = [level] if isinstance(level, int) else list(level)
+    for lvl in levels:
+        if not 1 <= lvl <= source.max_level:
+            raise TaskError(f"domain '{source.name}': level {lvl} outside 1..{source.max_level}")
+    rng = random.Random(f"{source.name}:{split}:{seed}")
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(tasks) < count:
+        tries += 1
+        if tries > max_tries_per_task * max(count, 1):
+            raise TaskError(
+                f"domain '{source.name}': could only draw {len(tasks)} of {count} distinct {split} tasks at "
+                f"levels {levels} (the level has too few problems)"
+            )
+        task = source.make_task(rng, levels[len(tasks) % len(levels)])
+        key = task.metadata["problem_key"]
+        if split_of(key, heldout_fraction) != split or (unique and key in seen):
+            continue
+        seen.add(key)
+        task.metadata["split"] = split
+        tasks.append(task)
+    return tasks
+
+
+def demonstrations(source: Domain, tasks: Iterable[Task]) -> list[SFTSample]:
+    return [source.demonstration(task) for task in tasks]
+
+
+def task_id(domain_name: str, problem_key: str) -> str:
+    return f"{domain_name}-{hashlib.sha1(problem_key.encode()).hexdigest()[:12]}"
+
+
+def demo_sample(task: Task, answer: str, trace: str | None, source: str = "generated") -> SFTSample:
+    """An SFT sample answering `task` with `answer`, its trace kept as metadata (rendered by the data room)."""
+    return SFTSample(
+        messages=[*task.messages, {"role": "assistant", "content": answer}],
+        metadata=SampleMetadata(
+            domain=task.domain,
+            difficulty=task.difficulty,
+            reasoning_trace=trace,
+            source=source,
+            extras={"task_id": task.id},
+        ),
+    )

@@ -1,0 +1,24 @@
+"""Tracking: metrics to JSONL (always), TensorBoard, W&B, MLflow; a progress bar with tokens/s and ETA."""
+
+from posttrain.tracking.sinks import (
+    JSONLSink,
+    MetricsSink,
+    MLflowSink,
+    TensorBoardSink,
+    TrackingError,
+    WandbSink,
+    read_metrics,
+)
+from posttrain.tracking.tracker import Tracker, console
+
+__all__ = [
+    "JSONLSink",
+    "MLflowSink",
+    "MetricsSink",
+    "TensorBoardSink",
+    "Tracker",
+    "TrackingError",
+    "WandbSink",
+    "console",
+    "read_metrics",
+]

@@ -1,0 +1,79 @@
+"""One optimizer step and the numeric context around it, shared by every recipe.
+
+Recipes own their loop; these are the pieces they call: `setup_runtime` (seeds, threads, device,
+autocast dtype), `autocast` (bf16 where it pays), `optimizer_step` (clip, step, schedule, zero grads),
+and `prepare_model` (LoRA, activation checkpointing, compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from posttrain.config import ModelConfig, RuntimeConfig
+from posttrain.models import apply_lora, autocast_dtype, resolve_device
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+
+    def autocast(self):
+        """bf16 autocast for matmuls (parameters and optimizer state keep their own dtype)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.autocast_dtype == torch.bfloat16 else "fp32"
+
+
+def setup_runtime(config: RuntimeConfig) -> Runtime:
+    seed_everything(config.seed)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config)
+    return Runtime(device=device, autocast_dtype=autocast_dtype(config, device))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_config: RuntimeConfig):
+    """Apply the recipe's switches: LoRA adapters, activation checkpointing, torch.compile."""
+    if model_config.lora.enabled:
+        model = apply_lora(model, model_config.lora)
+    if runtime_config.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if runtime_config.compile:
+        model.forward = torch.compile(model.forward, dynamic=True)
+    return model
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    max_grad_norm: float | None,
+) -> float:
+    """Clip, step, advance the schedule, clear the gradients; returns the pre-clip gradient norm."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm, foreach=True)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters]))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
