@@ -1,0 +1,110 @@
+"""The `posttrain` command: one subcommand per stage, each running a typed recipe.
+
+    posttrain sft recipe.yaml optim.lr=3e-4 [--resume]
+    posttrain demo
+
+A user's mistake (bad recipe, bad data, missing model) is a one-line error and exit code 2; `--debug`
+shows the traceback. Anything else is a bug and always shows one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from posttrain.types import PosttrainError
+
+# Stage name -> (help, module:function); modules are imported only when their stage runs, so
+# `posttrain --help` is instant.
+STAGES: dict[str, tuple[str, str]] = {
+    "sft": ("supervised fine-tuning on chat data with metadata", "posttrain.cli.stages:sft"),
+    "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
+    "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
+}
+
+
+def register_stage(name: str, help_text: str, target: str) -> None:
+    """Add a subcommand: `target` is 'module:function', called with the parsed arguments."""
+    STAGES[name] = (help_text, target)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description="Post-train causal language models: SFT, preference optimization, RL with verifiable "
+        "rewards, agentic RL, evaluation.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
+    commands = parser.add_subparsers(dest="command", metavar="STAGE")
+    for name, (help_text, _) in STAGES.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == "demo":
+            sub.add_argument("--output", default="runs/demo", help="run directory (default runs/demo)")
+            sub.add_argument("--resume", action="store_true", help="skip finished stages, resume the running one")
+            sub.add_argument("--quick", action="store_true", help="a few-minute smoke run (smaller budgets)")
+            sub.add_argument("overrides", nargs="*", help="demo recipe overrides, key.path=value")
+        elif name == "recipes":
+            sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
+        else:
+            sub.add_argument("recipe", help="recipe YAML (`posttrain recipes` lists packaged ones)")
+            sub.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")
+            sub.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    return parser
+
+
+def _resolve(target: str) -> Callable[[argparse.Namespace], int | None]:
+    import importlib
+
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    _quiet_libraries()
+    try:
+        result = _resolve(STAGES[args.command][1])(args)
+    except PosttrainError as error:
+        if args.debug:
+            raise
+        print(f"posttrain {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"posttrain {args.command}: interrupted (checkpoints written so far are kept)", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: everything is local
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def packaged_recipe(name: str) -> Path:
+    """The path of a packaged recipe by name (`sft-arithmetic` or `sft-arithmetic.yaml`)."""
+    root = Path(__file__).resolve().parent.parent / "recipes"
+    path = root / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in root.glob("*.yaml")))
+        raise PosttrainError(f"no packaged recipe '{name}' (known: {known})")
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
