@@ -54,20 +54,27 @@ def aggregate(
     num_seqs: int,
     mode: Aggregation,
     normalizer: float | None = None,
+    *,
+    total_tokens: int | None = None,
+    total_seqs: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar by one of the aggregations above."""
+    """Reduce a per-token loss to a scalar by one of the aggregations above.
+
+    With gradient accumulation, pass the whole optimizer batch's `total_tokens` / `total_seqs`, so the
+    micro-batch losses sum to the loss of the full batch.
+    """
     if per_token.numel() == 0:
         return per_token.sum()
     if mode == "token_mean":
-        return per_token.mean()
+        return per_token.sum() / (total_tokens or per_token.numel())
     if mode == "seq_mean":
         present = torch.zeros(num_seqs, dtype=torch.bool, device=per_token.device)
         present[seq_index] = True
-        return segment_mean(per_token, seq_index, num_seqs)[present].mean()
+        return segment_mean(per_token, seq_index, num_seqs)[present].sum() / (total_seqs or int(present.sum()))
     if mode == "constant":
         if not normalizer:
             raise ValueError("aggregation 'constant' needs a normalizer (e.g. the max new tokens)")
-        return per_token.sum() / (num_seqs * normalizer)
+        return per_token.sum() / ((total_seqs or num_seqs) * normalizer)
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
@@ -101,8 +108,33 @@ def clipped_policy_loss(
     normalizer: float | None = None,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
+    total_tokens: int | None = None,
+    total_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate loss (to minimise) and its statistics."""
+    per_token, stats = per_token_policy_loss(
+        logprobs, old_logprobs, advantages, seq_index, num_seqs, clip_low=clip_low, clip_high=clip_high,
+        ratio_level=ratio_level, dual_clip=dual_clip, importance_weights=importance_weights,
+    )
+    loss = aggregate(per_token, seq_index, num_seqs, aggregation, normalizer,
+                     total_tokens=total_tokens, total_seqs=total_seqs)
+    return loss, stats
+
+
+def per_token_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    num_seqs: int,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio_level: RatioLevel = "token",
+    dual_clip: float | None = None,
+    importance_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate per token (before aggregation) and its statistics."""
     ratio = policy_ratio(logprobs, old_logprobs, seq_index, num_seqs, ratio_level)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     unclipped = -advantages * ratio
@@ -112,7 +144,6 @@ def clipped_policy_loss(
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip), per_token)
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
-    loss = aggregate(per_token, seq_index, num_seqs, aggregation, normalizer)
     with torch.no_grad():
         is_clipped = (clipped > unclipped) & (advantages != 0)
         stats = {
@@ -121,7 +152,7 @@ def clipped_policy_loss(
             "ratio_max": float(ratio.max()) if ratio.numel() else 1.0,
             "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
         }
-    return loss, stats
+    return per_token, stats
 
 
 def truncated_importance_weights(

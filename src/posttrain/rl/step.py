@@ -1,0 +1,207 @@
+"""One RL update: trajectories with advantages -> clipped policy-gradient step(s) -> statistics.
+
+The trainer scores exactly the token ids the engine sampled (`Trajectory.token_ids`, never re-tokenized):
+position t is scored when token t+1 is a policy token (`loss_mask[t+1] == 1`); observation tokens of
+agentic episodes are context only. The same forward that computes the loss also measures, for free, the
+gap between the engine's behaviour log-probs and the trainer's log-probs of the same tokens.
+
+A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-batches); sequences of one
+mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
+to the mini-batch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from posttrain.config.rl import PolicyLossConfig
+from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.policy_loss import (
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    logprob_gap_stats,
+    per_token_policy_loss,
+    truncated_importance_weights,
+)
+from posttrain.train.step import Runtime, optimizer_step
+from posttrain.types import Trajectory
+
+# (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]
+ReferenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _MicroBatch:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    score_mask: torch.Tensor  # [B, T-1]: predict token t+1 from position t
+    targets: torch.Tensor  # [N] the sampled token ids, row-major over score_mask
+    behaviour: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    seq_index: torch.Tensor  # [N] index of the sequence within the mini-batch
+
+
+def collate_trajectories(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float],
+    pad_id: int,
+    device: torch.device,
+
+) -> _MicroBatch:
+    width = max(len(t.token_ids) for t in trajectories)
+    batch = len(trajectories)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    score = torch.zeros((batch, width - 1), dtype=torch.bool)
+    behaviour, targets, adv, seq = [], [], [], []
+    for row, (trajectory, advantage) in enumerate(zip(trajectories, advantages)):
+        length = len(trajectory.token_ids)
+        ids = torch.tensor(trajectory.token_ids, dtype=torch.long)
+        mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
+        input_ids[row, :length] = ids
+        attention[row, :length] = 1
+        score[row, : length - 1] = mask
+        behaviour.append(torch.tensor(trajectory.behaviour_logprobs[1:], dtype=torch.float32)[mask])
+        targets.append(ids[1:][mask])
+        count = int(mask.sum())
+        adv.append(torch.full((count,), float(advantage)))
+        seq.append(torch.full((count,), row, dtype=torch.long))
+    return _MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        score_mask=score.to(device),
+        targets=torch.cat(targets).to(device),
+        behaviour=torch.cat(behaviour).to(device),
+        advantages=torch.cat(adv).to(device),
+        seq_index=torch.cat(seq).to(device),
+    )
+
+
+def rl_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float],
+    *,
+    config: PolicyLossConfig,
+    runtime: Runtime,
+    pad_id: int,
+    temperature: float,
+    micro_batch_size: int,
+    max_grad_norm: float | None,
+    normalizer: float | None = None,
+    updates_per_batch: int = 1,
+    reference: ReferenceFn | None = None,
+) -> dict[str, float]:
+    """Train on one batch; returns averaged statistics (loss parts, ratios, gap, entropy, grad norm)."""
+    if not trajectories:
+        return {}
+    model.train()
+    # Longest first: micro-batches of similar lengths waste less padding. The order is a pure function of
+    # the batch, so a synchronous and an asynchronous run of the same batch compute the same sums.
+    order = sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i].token_ids))
+    minis = [order[k::updates_per_batch] for k in range(updates_per_batch)]
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    proximal = None
+    if config.old_policy == "proximal" and updates_per_batch > 1:
+        # With one update per batch the trainer's log-probs before the update are those of the loss forward.
+        proximal = _proximal_logprobs(model, trajectories, advantages, order, runtime, pad_id, temperature,
+                                      micro_batch_size)
+    for mini in minis:
+        if not mini:
+            continue
+        total_tokens = sum(trajectories[i].policy_tokens for i in mini)
+        stats = _accumulate_gradients(
+            model, trajectories, advantages, mini, config, runtime, pad_id, temperature, micro_batch_size,
+            total_tokens, normalizer, reference, proximal,
+        )
+        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, max_grad_norm)
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {key: totals[key] / counts[key] for key in totals}
+
+
+def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyLossConfig, runtime: Runtime,
+                          pad_id, temperature, micro_batch_size, total_tokens, normalizer, reference,
+                          proximal) -> dict[str, float]:
+    """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
+    loss_total = 0.0
+    weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
+    ratio_max, ratio_min = float("-inf"), float("inf")
+    trainer_logprobs, behaviour_logprobs = [], []
+    for start in range(0, len(mini), micro_batch_size):
+        chunk = mini[start : start + micro_batch_size]
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk], pad_id,
+                                     runtime.device)
+        num_seqs = len(chunk)
+        with runtime.autocast():
+            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = target_logprobs(logits, micro.targets)
+        weights = None
+        if config.old_policy == "behaviour":
+            old = micro.behaviour
+        else:
+            old = torch.cat([proximal[i] for i in chunk]) if proximal is not None else logprobs.detach()
+            if config.tis_cap:
+                weights = truncated_importance_weights(old, micro.behaviour, config.tis_cap)
+
+        def reduce(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate(per_token, micro.seq_index, num_seqs, config.aggregation, normalizer,
+                             total_tokens=total_tokens, total_seqs=len(mini))
+
+        per_token, stats = per_token_policy_loss(
+            logprobs, old, micro.advantages, micro.seq_index, num_seqs, clip_low=config.clip_low,
+            clip_high=config.clip_high, ratio_level=config.ratio_level, dual_clip=config.dual_clip,
+            importance_weights=weights,
+        )
+        loss = reduce(per_token)
+        stats["pg_loss"] = float(loss.detach())
+        entropy = entropy_from_logits(logits if config.entropy_coef else logits.detach())
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * reduce(entropy)
+        stats["entropy"] = float(entropy.detach().mean())
+        if config.kl_coef and reference is not None:
+            with torch.no_grad(), runtime.autocast():
+                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask).float()
+            kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
+            loss = loss + config.kl_coef * reduce(kl)
+            stats["kl"] = float(kl.detach().mean())
+        loss.backward()
+        loss_total += float(loss.detach())
+        tokens = int(micro.targets.numel())
+        ratio_max, ratio_min = max(ratio_max, stats.pop("ratio_max")), min(ratio_min, stats.pop("ratio_min"))
+        for key, value in stats.items():
+            weighted[key] = weighted.get(key, 0.0) + value * (1 if key == "pg_loss" else tokens)
+        trainer_logprobs.append(logprobs.detach())
+        behaviour_logprobs.append(micro.behaviour)
+    out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
+    out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens))
+    out.update(logprob_gap_stats(torch.cat(trainer_logprobs), torch.cat(behaviour_logprobs)))
+    return out
+
+
+@torch.no_grad()
+def _proximal_logprobs(model, trajectories, advantages, order, runtime, pad_id, temperature, micro_batch_size):
+    """The trainer's log-probs of each trajectory's scored tokens before any update, by trajectory index."""
+    model.eval()
+    cache: dict[int, torch.Tensor] = {}
+    for start in range(0, len(order), micro_batch_size):
+        chunk = order[start : start + micro_batch_size]
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk], pad_id,
+                                     runtime.device)
+        with runtime.autocast():
+            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
+        logprobs = target_logprobs(logits, micro.targets, temperature)
+        for row, index in enumerate(chunk):
+            cache[index] = logprobs[micro.seq_index == row]
+    model.train()
+    return cache
