@@ -1,0 +1,71 @@
+"""The bubblewrap command line for one run: what the jail sees and which namespaces it gets.
+
+The jail's root is a fresh tmpfs, remounted read-only at the end: the host's /usr (and its merged-/usr links),
+a short list of /etc files programs need, a new /proc for the jail's own PID namespace, a minimal /dev
+(read-only), size-capped tmpfs at /tmp and /dev/shm, and the run's work dir at `WORKDIR`, read-write.
+Nothing else of the host exists inside: not its home directories, not the project, not other jails.
+Standard library only; the launcher imports this by file path.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+WORKDIR = "/sandbox"
+PATH = "/usr/local/bin:/usr/bin:/bin"
+_MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_ETC = (
+    "passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
+    "alternatives", "os-release", "mime.types", "ssl/certs", "ca-certificates",
+)
+INFO_FD = 3
+SECCOMP_FD = 4
+
+
+def _system_binds() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _MERGED_USR:
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for name in _ETC + tuple(os.path.relpath(p, "/etc") for p in sorted(glob.glob("/etc/python3*"))):
+        args += ["--ro-bind-try", "/etc/" + name, "/etc/" + name]
+    return args
+
+
+_SYSTEM = None
+
+
+def bwrap_argv(
+    bwrap: str, workdir_host: str, command: list[str], limits: dict, jail: dict, env: dict[str, str],
+    seccomp: bool,
+) -> list[str]:
+    global _SYSTEM
+    if _SYSTEM is None:  # the host layout does not change while a launcher lives
+        _SYSTEM = _system_binds()
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+            "--hostname", "sandbox", "--info-fd", str(INFO_FD)]
+    if jail.get("network"):
+        args.append("--share-net")
+    if not jail.get("nested_namespaces"):
+        args.append("--disable-userns")
+    if seccomp:
+        args += ["--seccomp", str(SECCOMP_FD)]
+    args += _SYSTEM
+    for path in jail.get("ro_paths", ()):
+        args += ["--ro-bind", path, path]
+    tmp_bytes = str(int(limits["tmp_mb"]) << 20)
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
+             "--bind", workdir_host, WORKDIR, "--chdir", WORKDIR]
+    args += ["--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp",
+             "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    if jail.get("readonly_root", True):
+        # last, so everything above could still be created on the fresh root; neither remount is recursive
+        args += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    return args + ["--"] + list(command)

@@ -1,0 +1,358 @@
+"""One run in one jail: prepare the work dir, fork and exec bubblewrap, supervise, reap, collect, clean up.
+
+The order matters and each step says why:
+1. a fresh tmpfs (size- and inode-capped) is mounted on the slot's mount point, private to the launcher's mount
+   namespace, and the request's files are written into it;
+2. the first process joins the slot's cgroups, drops to the slot's uid (never root), sets the rlimits and execs
+   bubblewrap, which builds the jail; an exec that never happens is reported over a close-on-exec pipe;
+3. the launcher reads stdout/stderr up to the output cap and enforces the wall-clock deadline from outside
+   (SIGKILL to bubblewrap, whose PID namespace takes every descendant with it, setsid'd daemons included);
+4. every process is reaped (the launcher is their subreaper) and the cgroup is checked empty before the next run;
+5. requested files are collected: regular files only, never through a link, never bigger than the budget;
+6. the tmpfs is unmounted, which frees everything the run wrote at once.
+Standard library only; the launcher imports this by file path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import resource
+import select
+import signal
+import stat
+import time
+
+import jail as jail_args
+import wire
+
+_EXEC_FAILED = 127
+_GRACE_S = 2.0  # how long output may keep flowing after bubblewrap exits before the cgroup is emptied by force
+
+
+class Slot:
+    """Everything about this launcher that outlives one run."""
+
+    def __init__(self, uid: int, gid: int, as_root: bool, mount_point: str, bwrap: str, cgroups, seccomp):
+        self.uid = uid
+        self.gid = gid
+        self.as_root = as_root
+        self.mount_point = mount_point
+        self.bwrap = bwrap
+        self.cgroups = cgroups
+        self.seccomp = seccomp  # {allow_namespaces: filter bytes or None}
+
+
+def _safe_relpath(path: str) -> str:
+    norm = os.path.normpath(path)
+    if not path or norm.startswith(("/", "..")) or norm == "." or "\0" in path:
+        raise ValueError(f"file path {path!r} must be relative and stay inside the work dir")
+    return norm
+
+
+def _write_files(slot: Slot, root: str, files: dict[str, str]) -> None:
+    for path, encoded in files.items():
+        relative = _safe_relpath(path)
+        target = os.path.join(root, relative)
+        parent = os.path.dirname(target)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o755)
+            walk = parent
+            while walk != root:
+                os.chown(walk, slot.uid, slot.gid)
+                walk = os.path.dirname(walk)
+        content = wire.unpack_bytes(encoded)
+        mode = 0o755 if content.startswith(b"#!") else 0o644
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchown(fd, slot.uid, slot.gid)
+        finally:
+            os.close(fd)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], error_w: int) -> None:
+    """In the forked child: put fds in place, join cgroups, drop privileges, set limits, exec. Never returns."""
+    report_fd = error_w
+    try:
+        # first copy every source (and the error pipe) above the targets, so no dup2 clobbers one still needed
+        report_fd = os.dup(error_w)  # close-on-exec, like the original
+        high = {target: os.dup(source) for target, source in fds.items()}
+        for target, source in high.items():
+            os.dup2(source, target)  # dup2 makes the target inheritable
+        keep = max(fds) + 1
+        os.dup2(report_fd, keep, inheritable=False)
+        report_fd = keep
+        os.closerange(keep + 1, 65536)
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("500")  # undo the launcher's -1000: the run is the OOM killer's first choice
+        if slot.as_root:
+            os.setgroups([])
+            os.setresgid(slot.gid, slot.gid, slot.gid)
+            os.setresuid(slot.uid, slot.uid, slot.uid)
+        nproc = int(limits["processes"]) + 2  # bubblewrap's monitor and its init in the jail
+        cpu = max(1, int(limits["cpu_s"] + 0.999))
+        for which, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
+            (resource.RLIMIT_NPROC, (nproc, nproc)),
+            (resource.RLIMIT_NOFILE, (max(16, int(limits["open_files"])),) * 2),
+            (resource.RLIMIT_FSIZE, (int(limits["file_size_mb"]) << 20,) * 2),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
+            resource.setrlimit(which, value)
+        if limits.get("address_space_mb"):
+            resource.setrlimit(resource.RLIMIT_AS, (int(limits["address_space_mb"]) << 20,) * 2)
+        os.execve(argv[0], argv, {})
+    except BaseException as error:  # noqa: BLE001 - anything here is an infrastructure failure
+        try:
+            os.write(report_fd, f"{type(error).__name__}: {error}".encode())
+        finally:
+            os._exit(_EXEC_FAILED)
+
+
+class _Supervision:
+    """Output, deadline and exit of one jail, watched from the launcher with poll()."""
+
+    def __init__(self, pid: int, out_r: int, err_r: int, info_r: int, control_fd: int, limits: dict,
+                 timeout_s: float, cgroups):
+        self.pid = pid
+        self.limits = limits
+        self.cgroups = cgroups
+        self.deadline = time.monotonic() + timeout_s
+        self.output_cap = int(limits["output_bytes"])
+        self.streams = {out_r: bytearray(), err_r: bytearray()}
+        self.out_r, self.err_r, self.info_r = out_r, err_r, info_r
+        self.info = bytearray()
+        self.control_fd = control_fd
+        self.killed_for = ""  # "timeout" | "output" | "parent"
+        self.truncated = False
+        self.wait_status: int | None = None
+        self.exited_at: float | None = None
+        self.pidfd = os.pidfd_open(pid)
+
+    def _kill(self, reason: str) -> None:
+        if not self.killed_for:
+            self.killed_for = reason
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.cgroups is not None:
+            self.cgroups.kill_all(deadline_s=0.0)
+
+    def _take(self, fd: int) -> bool:
+        """Read what is there; False at EOF."""
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        if fd == self.info_r:
+            self.info += chunk[:4096]
+            return True
+        buffer = self.streams[fd]
+        room = self.output_cap - sum(len(b) for b in self.streams.values())
+        buffer += chunk[: max(0, room)]
+        if len(chunk) > room:
+            self.truncated = True
+            self._kill("output")
+        return True
+
+    def watch(self) -> None:
+        poller = select.poll()
+        open_fds = {self.out_r, self.err_r, self.info_r}
+        for fd in open_fds:
+            poller.register(fd, select.POLLIN)
+        poller.register(self.pidfd, select.POLLIN)
+        poller.register(self.control_fd, select.POLLIN)
+        while open_fds or self.wait_status is None:
+            now = time.monotonic()
+            if self.wait_status is None:
+                wait_ms = max(0, int((self.deadline - now) * 1000) + 1)
+            else:  # exited: a few descendants may still be dying with a pipe open
+                wait_ms = max(0, int((self.exited_at + _GRACE_S - now) * 1000) + 1)
+            events = poller.poll(wait_ms)
+            if not events:
+                if self.wait_status is None and not self.killed_for:
+                    self._kill("timeout")
+                    self.deadline = time.monotonic() + _GRACE_S  # SIGKILL is not instant, but it is soon
+                    continue
+                break  # still running or writing after SIGKILL and a grace period: the caller cleans up
+            for fd, _ in events:
+                if fd == self.pidfd:
+                    _, self.wait_status = os.waitpid(self.pid, 0)
+                    self.exited_at = time.monotonic()
+                    poller.unregister(self.pidfd)
+                elif fd == self.control_fd:
+                    self._kill("parent")  # the trainer went away mid-run: stop the jail and exit
+                    poller.unregister(self.control_fd)
+                elif not self._take(fd):
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+        os.close(self.pidfd)
+
+
+def _reap_all(cgroups, deadline_s: float = 2.0) -> bool:
+    """Reap every orphan this subreaper inherited; True once nothing of the run is left."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            while True:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+        except ChildProcessError:
+            if cgroups is None or not cgroups.procs():
+                return True
+        if time.monotonic() > end:
+            return False
+        if cgroups is not None:
+            cgroups.kill_all(deadline_s=0.0)
+        time.sleep(0.001)
+
+
+def _collect(root: str, patterns: list[str], budget: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Regular files under `root` matching `patterns`; links and special files are refused, never followed."""
+    files, refused = {}, {}
+    root_dev = os.lstat(root).st_dev
+    for directory, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(directory, name)
+            relative = os.path.relpath(path, root)
+            if not any(fnmatch.fnmatchcase(relative, p) for p in patterns):
+                continue
+            info = os.lstat(path)
+            if stat.S_ISDIR(info.st_mode):
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                refused[relative] = "symlink"
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                refused[relative] = "not a regular file"
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                opened = os.fstat(fd)
+                if opened.st_dev != root_dev or not stat.S_ISREG(opened.st_mode):
+                    refused[relative] = "outside the work dir"
+                elif opened.st_nlink != 1:
+                    refused[relative] = "hard link"
+                elif opened.st_size > budget:
+                    refused[relative] = "over the collect budget"
+                else:
+                    data = os.read(fd, opened.st_size + 1)[: opened.st_size]
+                    budget -= len(data)
+                    files[relative] = wire.pack_bytes(data)
+            finally:
+                os.close(fd)
+    return files, refused
+
+
+def _status(sup: _Supervision, oom: bool, cpu_s: float, limits: dict) -> tuple[str, int | None, int | None]:
+    status_word = sup.wait_status
+    if status_word is None:
+        return "infra_error", None, None
+    if os.WIFSIGNALED(status_word):
+        code, sig = None, os.WTERMSIG(status_word)
+    else:
+        code = os.WEXITSTATUS(status_word)
+        # bubblewrap's init reports a command killed by signal N as exit code 128 + N
+        sig = code - 128 if 128 < code <= 128 + 64 else None
+    if sup.killed_for == "output":
+        return "output_limit", code, sig
+    if sup.killed_for in ("timeout", "parent"):
+        return "timeout", code, sig
+    if oom:
+        return "oom", code, sig
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu_s >= float(limits["cpu_s"]) * 0.9:
+        return "timeout", code, sig
+    return ("ok" if code == 0 else "runtime_error"), code, sig
+
+
+def run(slot: Slot, request: dict, control_fd: int) -> dict:
+    limits, jail = request["limits"], request["jail"]
+    root = slot.mount_point
+    workdir_mb = int(limits["workdir_mb"])
+    slot_opts = f"size={workdir_mb}m,nr_inodes={max(4096, workdir_mb * 256)},mode=0700,uid={slot.uid},gid={slot.gid}"
+    import syscalls
+
+    syscalls.mount("posttrain-sandbox", root, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, slot_opts)
+    try:
+        return _run_mounted(slot, request, limits, jail, root, control_fd)
+    finally:
+        syscalls.umount(root)
+
+
+def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str, control_fd: int) -> dict:
+    try:
+        _write_files(slot, root, request.get("files", {}))
+    except (OSError, ValueError) as error:
+        return {"status": "infra_error", "error": f"could not write the run's files: {error}"}
+    seccomp = slot.seccomp.get(bool(jail.get("nested_namespaces"))) if jail.get("seccomp", True) else None
+    argv = jail_args.bwrap_argv(slot.bwrap, root, request["argv"], limits, jail, request.get("env", {}),
+                                seccomp is not None)
+    if slot.cgroups is not None:
+        slot.cgroups.set_limits(int(limits["memory_mb"]) << 20, int(limits["processes"]) + 2)
+    oom_before = slot.cgroups.oom_kills() if slot.cgroups is not None else 0
+    usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    stdin_fd = _memfd("stdin", wire.unpack_bytes(request.get("stdin", "")))
+    out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    error_r, error_w = os.pipe2(os.O_CLOEXEC)
+    seccomp_fd = _memfd("seccomp", seccomp) if seccomp is not None else None
+    child_fds = {0: stdin_fd, 1: out_w, 2: err_w, jail_args.INFO_FD: info_w}
+    if seccomp_fd is not None:
+        child_fds[jail_args.SECCOMP_FD] = seccomp_fd
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _exec_jail(slot, argv, limits, child_fds, error_w)
+    for fd in (stdin_fd, out_w, err_w, info_w, error_w) + ((seccomp_fd,) if seccomp_fd is not None else ()):
+        os.close(fd)
+    exec_error = b""
+    while True:  # EOF as soon as exec succeeded (close-on-exec), or the child's error message
+        chunk = os.read(error_r, 4096)
+        if not chunk:
+            break
+        exec_error += chunk
+    os.close(error_r)
+    sup = _Supervision(pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups)
+    sup.watch()
+    duration = (sup.exited_at or time.monotonic()) - started
+    for fd in (out_r, err_r, info_r):
+        os.close(fd)
+    clean = _reap_all(slot.cgroups)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
+    oom = slot.cgroups is not None and slot.cgroups.oom_kills() > oom_before
+    status, code, sig = _status(sup, oom, cpu_s, limits)
+    error = ""
+    if exec_error:
+        status, error = "infra_error", "could not start bubblewrap: " + exec_error.decode(errors="replace")
+    elif not sup.info and sup.killed_for != "timeout":
+        # bubblewrap reports on the info fd once the jail is built; no report means the jail never started
+        stderr = bytes(sup.streams[err_r]).decode(errors="replace").strip()
+        status, error = "infra_error", f"bubblewrap could not build the jail: {stderr[-500:]}"
+    elif not clean:
+        status, error = "infra_error", "processes of the run survived the kill; slot restarted"
+    response = {
+        "status": status, "exit_code": code, "signal": sig, "duration_s": duration, "cpu_s": cpu_s,
+        "stdout": wire.pack_bytes(bytes(sup.streams[out_r])), "stderr": wire.pack_bytes(bytes(sup.streams[err_r])),
+        "truncated": sup.truncated, "error": error, "parent_gone": sup.killed_for == "parent", "clean": clean,
+    }
+    if request.get("collect") and status != "infra_error":
+        response["files"], response["refused"] = _collect(root, request["collect"], int(limits["collect_bytes"]))
+    return response

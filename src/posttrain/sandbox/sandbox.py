@@ -1,0 +1,88 @@
+"""`Sandbox`: limits and jail options, bound to a pool of worker slots; the API the rest of posttrain calls.
+
+    sandbox = Sandbox(Limits(timeout_s=5))
+    result = sandbox.run_python("print(input()[::-1])", stdin="abc")     # result.status == "ok", stdout "cba\\n"
+    result = await sandbox.arun(["sh", "-c", "ls"], files={"a.txt": "hi"})
+
+Without a pool given, every `Sandbox` shares one default pool (a slot per CPU), created on first use and closed
+at exit. Nothing is retried here: an ``infra_error`` result is the caller's to retry and count.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Mapping, Sequence
+
+from posttrain.sandbox.limits import JailOptions, Limits, RunResult
+from posttrain.sandbox.pool import SandboxPool
+from posttrain.sandbox.request import FileContent, RunRequest
+
+_default_pool: SandboxPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> SandboxPool:
+    """The process-wide pool shared by every `Sandbox` built without one (re-created in a forked child)."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool._owner_pid != os.getpid():
+            _default_pool = SandboxPool()
+        return _default_pool
+
+
+@atexit.register
+def _close_default_pool() -> None:
+    if _default_pool is not None and _default_pool._owner_pid == os.getpid():
+        _default_pool.close()
+
+
+class Sandbox:
+    """Run untrusted programs in fresh jails. ``limits`` are the defaults of every run (a run may pass its
+    own); ``jail`` says what the jail shows; ``pool`` is where the runs go (default: the shared pool)."""
+
+    def __init__(self, limits: Limits | None = None, *, pool: SandboxPool | None = None,
+                 jail: JailOptions | None = None):
+        self.limits = limits or Limits()
+        self.jail = jail or JailOptions()
+        self._pool = pool
+
+    @property
+    def pool(self) -> SandboxPool:
+        return self._pool if self._pool is not None else default_pool()
+
+    def request(
+        self,
+        cmd: Sequence[str],
+        *,
+        files: Mapping[str, FileContent] | None = None,
+        stdin: FileContent | None = None,
+        timeout_s: float | None = None,
+        collect: Sequence[str] | bool | None = None,
+        env: Mapping[str, str] | None = None,
+        limits: Limits | None = None,
+    ) -> RunRequest:
+        self.jail.warn_if_weakened()
+        return RunRequest.build(cmd, limits or self.limits, self.jail, files=files, stdin=stdin,
+                                timeout_s=timeout_s, collect=collect, env=env)
+
+    def python_request(self, code: str, *, files: Mapping[str, FileContent] | None = None,
+                       args: Sequence[str] = (), script: str = "main.py", **options) -> RunRequest:
+        return self.request([self.jail.python, "-B", "-s", script, *args], files={**(files or {}), script: code},
+                            **options)
+
+    def run(self, cmd: Sequence[str], **options) -> RunResult:
+        """Run `cmd` (a list, no shell) in a fresh jail. Options: files={path: content}, stdin, timeout_s,
+        collect (glob patterns, or True for every file), env, limits."""
+        return self.pool.execute(self.request(cmd, **options))
+
+    def run_python(self, code: str, **options) -> RunResult:
+        """Run Python source as ``main.py`` in the work dir; same options as `run`, plus args and script."""
+        return self.pool.execute(self.python_request(code, **options))
+
+    async def arun(self, cmd: Sequence[str], **options) -> RunResult:
+        return await self.pool.aexecute(self.request(cmd, **options))
+
+    async def arun_python(self, code: str, **options) -> RunResult:
+        return await self.pool.aexecute(self.python_request(code, **options))
