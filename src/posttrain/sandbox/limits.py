@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,8 @@ class JailOptions:
         for path in self.ro_paths:
             if not isinstance(path, str) or not path.startswith("/"):
                 raise SandboxError(f"JailOptions.ro_paths must be absolute paths, got {path!r}")
+            if not os.path.exists(path):
+                raise SandboxError(f"JailOptions.ro_paths: {path} does not exist")
 
     @property
     def weakened(self) -> list[str]:

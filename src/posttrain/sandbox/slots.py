@@ -149,9 +149,12 @@ class LauncherSlot:
             process.kill()
             process.wait()
         mount_point = self.hello.get("mount_point")
-        if mount_point and os.path.isdir(mount_point):
+        if mount_point:
+            # Left behind only if the launcher was killed hard. Its mounts lived in its own mount namespace,
+            # so from here these are plain empty directories and files.
+            shutil.rmtree(mount_point + "-ro", ignore_errors=True)
             try:
-                os.rmdir(mount_point)  # left behind only if the launcher was killed hard
+                os.rmdir(mount_point)
             except OSError:
                 pass
 

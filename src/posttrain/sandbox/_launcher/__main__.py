@@ -65,6 +65,7 @@ def _start(config: dict) -> tuple[runner.Slot, object]:
 
 
 def _cleanup(slot: runner.Slot) -> None:
+    slot.unstage_all()
     if slot.cgroups is not None:
         slot.cgroups.remove()
     try:

@@ -41,8 +41,10 @@ _SYSTEM = None
 
 def bwrap_argv(
     bwrap: str, workdir_host: str, command: list[str], limits: dict, jail: dict, env: dict[str, str],
-    seccomp: bool,
+    seccomp: bool, staged: dict[str, str] | None = None,
 ) -> list[str]:
+    """The full argv. ``staged`` maps each of ``jail["ro_paths"]`` to where the launcher bind-mounted it for
+    bubblewrap, which runs as the slot's uid and may not be able to reach the original (e.g. under /root)."""
     global _SYSTEM
     if _SYSTEM is None:  # the host layout does not change while a launcher lives
         _SYSTEM = _system_binds()
@@ -56,7 +58,7 @@ def bwrap_argv(
         args += ["--seccomp", str(SECCOMP_FD)]
     args += _SYSTEM
     for path in jail.get("ro_paths", ()):
-        args += ["--ro-bind", path, path]
+        args += ["--ro-bind", (staged or {}).get(path, path), path]
     tmp_bytes = str(int(limits["tmp_mb"]) << 20)
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm",

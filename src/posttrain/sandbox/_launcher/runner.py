@@ -41,6 +41,43 @@ class Slot:
         self.bwrap = bwrap
         self.cgroups = cgroups
         self.seccomp = seccomp  # {allow_namespaces: filter bytes or None}
+        self.staged: dict[str, str] = {}  # read-only path -> where it is bind-mounted for bubblewrap
+
+    def stage(self, path: str) -> str:
+        """Bind-mount `path` (once per launcher) under a directory the slot's uid can traverse, so bubblewrap -
+        running as that uid - can bind it even when the way to the original is closed to it (e.g. /root)."""
+        import syscalls
+
+        if path not in self.staged:
+            base = self.mount_point + "-ro"
+            if not os.path.isdir(base):
+                os.mkdir(base, 0o711)
+            target = os.path.join(base, str(len(self.staged)))
+            if os.path.isdir(path):
+                os.mkdir(target, 0o700)
+            else:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            try:
+                syscalls.mount(path, target, None, syscalls.MS_BIND | syscalls.MS_REC)
+            except OSError:
+                (os.rmdir if os.path.isdir(target) else os.unlink)(target)
+                raise
+            self.staged[path] = target
+        return self.staged[path]
+
+    def unstage_all(self) -> None:
+        import syscalls
+
+        for target in self.staged.values():
+            for undo in (syscalls.umount, os.rmdir if os.path.isdir(target) else os.unlink):
+                try:
+                    undo(target)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(self.mount_point + "-ro")
+        except OSError:
+            pass
 
 
 def _safe_relpath(path: str) -> str:
@@ -95,6 +132,8 @@ def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], e
         os.dup2(report_fd, keep, inheritable=False)
         report_fd = keep
         os.closerange(keep + 1, 65536)
+        for number in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(number, signal.SIG_DFL)  # Python ignores these, and exec would pass that on
         with open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("500")  # undo the launcher's -1000: the run is the OOM killer's first choice
         if slot.as_root:
@@ -301,21 +340,28 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
     except (OSError, ValueError) as error:
         return {"status": "infra_error", "error": f"could not write the run's files: {error}"}
     seccomp = slot.seccomp.get(bool(jail.get("nested_namespaces"))) if jail.get("seccomp", True) else None
+    try:
+        staged = {path: slot.stage(path) for path in jail.get("ro_paths", ())}
+    except OSError as error:
+        return {"status": "infra_error", "error": f"could not expose a read-only path: {error}"}
     argv = jail_args.bwrap_argv(slot.bwrap, root, request["argv"], limits, jail, request.get("env", {}),
-                                seccomp is not None)
+                                seccomp is not None, staged)
     if slot.cgroups is not None:
         slot.cgroups.set_limits(int(limits["memory_mb"]) << 20, int(limits["processes"]) + 2)
     oom_before = slot.cgroups.oom_kills() if slot.cgroups is not None else 0
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     stdin_fd = _memfd("stdin", wire.unpack_bytes(request.get("stdin", "")))
-    out_r, out_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    info_r, info_w = os.pipe2(os.O_CLOEXEC)
+    for fd in (out_r, err_r, info_r):
+        os.set_blocking(fd, False)  # our ends only: the program's stdout/stderr stay blocking
     error_r, error_w = os.pipe2(os.O_CLOEXEC)
     seccomp_fd = _memfd("seccomp", seccomp) if seccomp is not None else None
     child_fds = {0: stdin_fd, 1: out_w, 2: err_w, jail_args.INFO_FD: info_w}
     if seccomp_fd is not None:
         child_fds[jail_args.SECCOMP_FD] = seccomp_fd
+
     started = time.monotonic()
     pid = os.fork()
     if pid == 0:
