@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import tempfile
 import threading
 import time
 import warnings
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.sandbox import JailOptions, Limits, Sandbox, SandboxError, SandboxPool, UnsafeSandboxWarning
+from posttrain.sandbox.pool import DEFAULT_UID_BASE
 
 pytestmark = pytest.mark.bwrap
 
@@ -40,37 +40,23 @@ def _slot_processes(uids: set[int]) -> list[tuple[int, int]]:
     return found
 
 
-def _ours_in_tmp() -> set[str]:
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("posttrain-")}
-
-
-def _cgroup_dirs() -> set[str]:
-    found = set()
-    for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified"):
-        if os.path.isdir(root):
-            for directory, dirnames, _ in os.walk(root):
-                found.update(os.path.join(directory, d) for d in dirnames if d.startswith("posttrain-sandbox-"))
-    return found
-
-
 @pytest.fixture(scope="module")
 def pool():
+    # A uid range of our own, so other processes' sandboxes (tests running in parallel) never share it.
     try:
-        pool = SandboxPool(2)
+        pool = SandboxPool(2, uid_base=DEFAULT_UID_BASE + 1_000_000 + (os.getpid() % 4096) * 16)
     except SandboxError as error:
         pytest.skip(f"bubblewrap sandbox unavailable: {error}")
-    tmp_before, cgroups_before = _ours_in_tmp(), _cgroup_dirs()
     pool.capabilities()  # start-up check
     yield pool
-    uids = set(pool.slot_uids())
+    uids, footprint = set(pool.slot_uids()), pool.footprint()
     pool.close()
-    assert uids, "the pool never reported its slot uids"
+    assert uids and footprint, "the pool never reported its slot uids and directories"
     deadline = time.monotonic() + 5
     while _slot_processes(uids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _slot_processes(uids) == [], "processes of the sandbox uids survived"
-    assert _ours_in_tmp() - tmp_before == set(), "the sandbox left temp dirs behind"
-    assert _cgroup_dirs() - cgroups_before == set(), "the sandbox left cgroups behind"
+    assert [path for path in footprint if os.path.exists(path)] == [], "temp dirs or cgroups were left behind"
 
 
 def box(pool, jail: JailOptions | None = None, **limits) -> Sandbox:

@@ -166,6 +166,10 @@ class SandboxPool:
         """The uids the live launchers run programs as (for tests that look for stray processes)."""
         return [s.hello["uid"] for s in self._slots if isinstance(s, LauncherSlot) and s.hello]
 
+    def footprint(self) -> set[str]:
+        """Every temp dir and cgroup this pool's launchers created (all gone once it is closed)."""
+        return set().union(*(getattr(s, "footprint", set()) for s in self._slots))
+
     def stats(self) -> PoolStats:
         with self._lock:
             stats = PoolStats(**vars(self._stats))

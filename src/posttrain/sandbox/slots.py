@@ -75,6 +75,8 @@ class LauncherSlot:
         self.process: subprocess.Popen | None = None
         self.hello: dict = {}
         self.restarts = 0
+        self._started = False
+        self.footprint: set[str] = set()  # every host path a launcher of this slot created
 
     @property
     def alive(self) -> bool:
@@ -96,6 +98,8 @@ class LauncherSlot:
             reason = hello.get("error") if hello else "the launcher exited or hung before saying hello"
             raise RuntimeError(reason)
         self.hello = hello
+        self._started = True
+        self.footprint.update([hello["mount_point"], hello["mount_point"] + "-ro", *hello.get("cgroup_dirs", [])])
         return hello
 
     def _receive(self, timeout_s: float) -> dict | None:
@@ -112,9 +116,8 @@ class LauncherSlot:
     def execute(self, request: RunRequest) -> RunResult:
         started = time.monotonic()
         if not self.alive:
-            if self.process is not None:
-                self.restarts += 1
-                self._kill()
+            self._kill()
+            self.restarts += int(self._started)
             try:
                 self.start()
             except (OSError, RuntimeError) as error:
@@ -153,13 +156,34 @@ class LauncherSlot:
             # Left behind only if the launcher was killed hard. Its mounts lived in its own mount namespace,
             # so from here these are plain empty directories and files.
             shutil.rmtree(mount_point + "-ro", ignore_errors=True)
-            try:
-                os.rmdir(mount_point)
-            except OSError:
-                pass
+            for directory in [mount_point, *self.hello.get("cgroup_dirs", [])]:
+                _remove_dir(directory)
 
     def close(self) -> None:
         self._kill()
+
+
+def _remove_dir(directory: str) -> None:
+    """rmdir, after killing what a cgroup directory still holds (a launcher that died mid-run)."""
+    procs = os.path.join(directory, "cgroup.procs")
+    for _ in range(100):
+        try:
+            with open(procs) as handle:
+                pids = [int(p) for p in handle.read().split()]
+        except OSError:
+            break
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
 
 
 class UnsafeLocalSlot:

@@ -85,6 +85,7 @@ def main() -> int:
         "ok": True, "pid": os.getpid(), "uid": slot.uid, "gid": slot.gid, "root": slot.as_root,
         "cgroups": slot.cgroups.version if slot.cgroups is not None else 0,
         "seccomp": slot.seccomp[False] is not None, "mount_point": slot.mount_point,
+        "cgroup_dirs": sorted({slot.cgroups.memory_dir, slot.cgroups.pids_dir}) if slot.cgroups else [],
     })
     try:
         while True:

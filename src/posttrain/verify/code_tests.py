@@ -1,0 +1,249 @@
+"""Code rewards: run the candidate against unit tests in the sandbox; reward = passed / total.
+
+Three test shapes, all accepted by `verify_code`:
+* stdin/stdout cases ``[{"stdin": "...", "stdout": "..."}]`` - the program runs once per case; its stdout is
+  compared here with the expected text (trailing whitespace per line and trailing blank lines ignored);
+* function cases ``{"function": "name", "cases": [{"args": [...], "kwargs": {...}, "expected": ...}]}`` - the
+  function's return value comes back as JSON and is compared here with type-strict equality (``True != 1``,
+  ``1 != 1.0``; a tuple equals the list JSON would make of it; floats equal within ``float_tolerance``);
+* assert-style test source (a string) - the weaker scheme: the test statements run in the jail in a process
+  separate from the solution (which it reaches through proxies), so the expected values are inside the jail;
+  such rewards say ``"weaker_scheme": true`` in details.
+For the first two, only the inputs enter the sandbox: expected outputs never do. Nothing the program prints,
+no exit code and no in-process assert is trusted; the harness (`_harness.py`) reports over a nonce-tagged line
+and anything else is ignored. No code block, a syntax error or a crash at import scores 0. An ``infra_error``
+of the sandbox is retried, then reported as ``FailureClass.SANDBOX`` (never a 0 to learn from).
+
+From ``final_state`` (agentic tasks) the verifier reads ``files`` (the workspace, shipped into the jail) and,
+with ``solution_file``, takes the program from that file instead of the completion.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import json
+import math
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.sandbox import Limits, Sandbox
+from posttrain.types import FailureClass, Reward
+from posttrain.verify import _harness
+from posttrain.verify.channel import new_nonce, read_record
+from posttrain.verify.completion import code_block, strip_reasoning
+from posttrain.verify.errors import VerifyError
+from posttrain.verify.registry import verifier
+
+_HARNESS_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")).read()
+_START_S = 5.0  # jail + interpreter + harness start-up, within the jail's wall-clock budget
+
+
+@dataclass
+class TestSpec:
+    mode: str  # "function" | "stdio" | "assert"
+    cases: list[dict[str, Any]] = field(default_factory=list)
+    function: str = ""
+    source: str = ""
+    remote_names: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return len(self.cases) if self.mode != "assert" else _count_assert_tests(self.source)
+
+
+def _count_assert_tests(source: str) -> int:
+    module = ast.parse(source)
+    return sum(isinstance(n, ast.Assert) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
+               for n in module.body)
+
+
+def _free_names(source: str) -> list[str]:
+    """Names the test source reads but never binds: the solution's functions (reached through proxies)."""
+    tree = ast.parse(source)
+    bound, loaded = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return sorted(loaded - bound - set(dir(builtins)))
+
+
+def parse_tests(tests: Any) -> TestSpec:
+    """Check a test spec's shape; VerifyError says what is wrong and what the three shapes look like."""
+    shapes = ('stdin/stdout cases [{"stdin": str, "stdout": str}], function cases {"function": name, "cases": '
+              '[{"args": [...], "kwargs": {...}, "expected": ...}]}, or assert-style test source (a string)')
+    if isinstance(tests, str):
+        try:
+            spec = TestSpec("assert", source=tests, remote_names=_free_names(tests))
+        except SyntaxError as error:
+            raise VerifyError(f"verifier 'code': the assert-style test source does not parse: {error}") from None
+        if spec.total == 0:
+            raise VerifyError("verifier 'code': the assert-style test source has no top-level assert or call")
+        return spec
+    if isinstance(tests, list):
+        if not tests or not all(isinstance(c, dict) and isinstance(c.get("stdin"), str)
+                                and isinstance(c.get("stdout"), str) for c in tests):
+            raise VerifyError(f"verifier 'code': a list of tests must be stdin/stdout cases; expected {shapes}")
+        return TestSpec("stdio", cases=[{"stdin": c["stdin"], "stdout": c["stdout"]} for c in tests])
+    if isinstance(tests, dict) and "function" in tests:
+        name, cases = tests.get("function"), tests.get("cases")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise VerifyError(f"verifier 'code': function must be a Python identifier, got {name!r}")
+        if not isinstance(cases, list) or not cases:
+            raise VerifyError("verifier 'code': function tests need a non-empty list of cases")
+        for index, case in enumerate(cases):
+            if not isinstance(case, dict) or "expected" not in case:
+                raise VerifyError(f"verifier 'code': case {index} must be a dict with 'expected'")
+            if not isinstance(case.get("args", []), list) or not isinstance(case.get("kwargs", {}), dict):
+                raise VerifyError(f"verifier 'code': case {index}: args must be a list and kwargs a dict")
+            try:
+                json.dumps([case.get("args", []), case.get("kwargs", {}), case["expected"]])
+            except (TypeError, ValueError) as error:
+                raise VerifyError(f"verifier 'code': case {index} is not JSON data: {error}") from None
+        return TestSpec("function", cases=cases, function=name)
+    raise VerifyError(f"verifier 'code': unknown test shape {type(tests).__name__}; expected {shapes}")
+
+
+def _check_code_args(tests: Any = None, **_: Any) -> None:
+    parse_tests(tests)
+
+
+def strict_equal(got: Any, expected: Any, float_tolerance: float = 1e-9) -> bool:
+    """Equality that respects types: bool is not int, int is not float; a tuple compares as a list."""
+    if isinstance(got, tuple):
+        got = list(got)
+    if isinstance(expected, tuple):
+        expected = list(expected)
+    if type(got) is not type(expected):
+        return False
+    if isinstance(got, float):
+        if math.isnan(got) or math.isnan(expected):
+            return False
+        return got == expected or math.isclose(got, expected, rel_tol=float_tolerance, abs_tol=float_tolerance)
+    if isinstance(got, list):
+        return len(got) == len(expected) and all(strict_equal(g, e, float_tolerance) for g, e in zip(got, expected))
+    if isinstance(got, dict):
+        return got.keys() == expected.keys() and all(strict_equal(got[k], expected[k], float_tolerance) for k in got)
+    if isinstance(got, (set, frozenset)):
+        return got == expected
+    return bool(got == expected)
+
+
+def normalize_stdout(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.replace("\r\n", "\n").split("\n")).rstrip("\n")
+
+
+def _source(completion: str, final_state: dict[str, Any] | None, solution_file: str | None) -> str | None:
+    if solution_file:
+        files = (final_state or {}).get("files") or {}
+        content = files.get(solution_file)
+        return content if isinstance(content, str) else None
+    block = code_block(completion)
+    if block is not None:
+        return block
+    text = strip_reasoning(completion).strip()
+    return text if text and ("def " in text or "import " in text or "print(" in text) else None
+
+
+def _case_passed(spec: TestSpec, case: dict[str, Any], outcome: Any, float_tolerance: float) -> bool:
+    if not isinstance(outcome, dict) or outcome.get("ok") is not True:
+        return False
+    if spec.mode == "assert":
+        return True
+    if spec.mode == "stdio":
+        stdout = outcome.get("stdout")
+        return isinstance(stdout, str) and normalize_stdout(stdout) == normalize_stdout(case["stdout"])
+    try:
+        value = _harness.decode(outcome.get("value"))
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return strict_equal(value, case["expected"], float_tolerance)
+
+
+def _default_limits(spec: TestSpec, timeout_s: float) -> Limits:
+    budget = _START_S + spec.total * (timeout_s + 1.0)
+    return Limits(timeout_s=budget, cpu_s=budget, memory_mb=512, processes=64, output_bytes=4 << 20)
+
+
+_default_sandbox: Sandbox | None = None
+
+
+def _sandbox() -> Sandbox:
+    global _default_sandbox
+    if _default_sandbox is None:
+        _default_sandbox = Sandbox()
+    return _default_sandbox
+
+
+@verifier("code", check=_check_code_args)
+def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_tolerance: float = 1e-9,
+                solution_file: str | None = None, limits: Limits | None = None, sandbox: Sandbox | None = None,
+                infra_retries: int = 2, final_state: dict[str, Any] | None = None) -> Reward:
+    """Run `tests` (any of the three shapes) against the program in `completion`; see the module doc."""
+    spec = parse_tests(tests)
+    scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
+    source = _source(completion, final_state, solution_file)
+    if source is None:
+        return Reward(0.0, False, FailureClass.FORMAT, details={"reason": "no_code", **scheme})
+    nonce = new_nonce()
+    config_name = f".config-{secrets.token_hex(8)}"
+    config = {"mode": spec.mode, "nonce": nonce, "timeout_s": timeout_s, "function": spec.function,
+              "cases": [{"args": c.get("args", []), "kwargs": c.get("kwargs", {})} if spec.mode == "function"
+                        else {"stdin": c["stdin"]} for c in spec.cases],
+              "source": spec.source, "remote_names": spec.remote_names}
+    workspace = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
+    files = {**workspace, "solution.py": source, "_harness.py": _HARNESS_SOURCE, config_name: json.dumps(config)}
+    run_limits = limits or _default_limits(spec, timeout_s)
+    box = sandbox or _sandbox()
+    retries = 0
+    while True:
+        result = box.run([box.jail.python, "-B", "-s", "_harness.py", config_name], files=files, limits=run_limits)
+        if not result.is_infra_error or retries >= infra_retries:
+            break
+        retries += 1
+    run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3)}
+    if result.is_infra_error:
+        return Reward(0.0, False, FailureClass.SANDBOX, details={"reason": "sandbox_failure",
+                                                                  "error": result.error[-500:], **scheme, **run})
+    record = read_record(result, nonce)
+    if record is None:
+        failure = FailureClass.TIMEOUT if result.status == "timeout" else FailureClass.WRONG_ANSWER
+        return Reward(0.0, False, failure, details={"reason": "no_result", **scheme, **run})
+    if not record.get("compiled"):
+        return Reward(0.0, False, FailureClass.WRONG_ANSWER,
+                      details={"reason": "compile_error", "error": str(record.get("error"))[:300], **scheme, **run})
+    outcomes = record.get("cases")
+    if not isinstance(outcomes, list):
+        outcomes = []
+    verdicts = [_case_passed(spec, case, outcome, float_tolerance)
+                for case, outcome in zip(spec.cases if spec.mode != "assert" else range(spec.total), outcomes)]
+    verdicts += [False] * (spec.total - len(verdicts))
+    passed = sum(verdicts)
+    score = passed / spec.total
+    timeouts = sum(1 for o in outcomes if isinstance(o, dict) and o.get("timeout"))
+    details = {**scheme, **run, "passed": passed, "cases": [
+        "pass" if ok else _why(o) for ok, o in zip(verdicts, outcomes + [None] * (spec.total - len(outcomes)))]}
+    if record.get("import_error"):
+        details["import_error"] = str(record["import_error"])[:300]
+    if passed == spec.total:
+        return Reward(1.0, True, FailureClass.NONE, details=details)
+    failure = FailureClass.TIMEOUT if timeouts and not passed else FailureClass.WRONG_ANSWER
+    return Reward(score, False, failure, details=details)
+
+
+def _why(outcome: Any) -> str:
+    if not isinstance(outcome, dict):
+        return "no result"
+    if outcome.get("timeout"):
+        return "timeout"
+    if outcome.get("ok"):
+        return "wrong output"
+    return str(outcome.get("error", "error"))[:200]

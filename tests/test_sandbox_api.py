@@ -1,0 +1,218 @@
+"""The sandbox's API on real jails: statuses, files in and out, per-run limits, sync/async/threads, the pool's
+bound and backpressure, infra errors (never a score) and clear errors for the user's mistakes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import warnings
+
+import pytest
+
+from posttrain.sandbox import (
+    JailOptions,
+    Limits,
+    RunStatus,
+    Sandbox,
+    SandboxError,
+    SandboxPool,
+    UnsafeSandboxWarning,
+    find_bubblewrap,
+)
+from posttrain.sandbox.preflight import explain_jail_failure
+from test_sandbox_security import pool  # noqa: F401 - the module-scoped pool fixture with its leak checks
+
+
+# ---- the user's mistakes: clear errors, at once ----------------------------------------------------------
+
+
+def test_limits_are_validated():
+    with pytest.raises(SandboxError, match="timeout_s must be a positive number"):
+        Limits(timeout_s=0)
+    with pytest.raises(SandboxError, match="unknown sandbox limit.*memory_gb"):
+        Limits().replace(memory_gb=1)
+    assert Limits().replace(timeout_s=2).timeout_s == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cmd": "echo hi"}, "list of arguments"),
+    ({"cmd": []}, "non-empty list"),
+    ({"cmd": ["true"], "files": {"/etc/passwd": "x"}}, "relative"),
+    ({"cmd": ["true"], "files": {"../up": "x"}}, "stay inside"),
+    ({"cmd": ["true"], "files": {"a": 3}}, "str or bytes"),
+    ({"cmd": ["true"], "env": {"A=B": "x"}}, "environment variable"),
+    ({"cmd": ["true"], "timeout_s": -1}, "timeout_s"),
+])
+def test_bad_requests_are_refused_before_running(kwargs, message):
+    sandbox = Sandbox(pool=SandboxPool(1, backend="unsafe-local"))
+    cmd = kwargs.pop("cmd")
+    with pytest.raises(SandboxError, match=message):
+        sandbox.request(cmd, **kwargs)
+
+
+def test_files_larger_than_the_workdir_are_refused():
+    with pytest.raises(SandboxError, match="workdir_mb"):
+        Sandbox(Limits(workdir_mb=1), pool=SandboxPool(1, backend="unsafe-local")).request(
+            ["true"], files={"big": b"x" * (2 << 20)})
+
+
+def test_missing_bubblewrap_names_the_fix():
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        find_bubblewrap("/nonexistent/bwrap")
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        SandboxPool(1, bwrap="/nonexistent/bwrap")
+    with pytest.raises(SandboxError, match="unknown sandbox backend"):
+        SandboxPool(1, backend="docker")
+
+
+def test_refused_namespaces_name_the_fix():
+    error = explain_jail_failure("bwrap: setting up uid map: Permission denied")
+    assert "max_user_namespaces" in str(error) and "apparmor" in str(error)
+
+
+def test_missing_read_only_path_is_an_error():
+    with pytest.raises(SandboxError, match="does not exist"):
+        JailOptions(ro_paths=("/nonexistent/venv",))
+
+
+# ---- statuses and I/O ---------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.bwrap
+
+
+def test_ok_with_stdin_args_and_stdout(pool):
+    result = Sandbox(pool=pool).run_python("import sys\nprint(sys.argv[1], sys.stdin.read()[::-1])",
+                                           stdin="abc", args=["x"])
+    assert result.status is RunStatus.OK and result.ok and result.exit_code == 0
+    assert result.stdout == "x cba\n" and result.duration_s > 0 and result.backend == "bubblewrap"
+
+
+def test_runtime_error_keeps_exit_code_and_stderr(pool):
+    result = Sandbox(pool=pool).run_python("import sys\nsys.stderr.write('boom')\nsys.exit(3)")
+    assert result.status == "runtime_error" and result.exit_code == 3 and result.stderr == "boom"
+    killed = Sandbox(pool=pool).run(["sh", "-c", "kill -SEGV $$"])
+    assert killed.status == "runtime_error" and killed.signal == signal.SIGSEGV
+
+
+def test_files_in_and_collected_files_out(pool):
+    result = Sandbox(pool=pool).run(
+        ["sh", "-c", "cat data/in.txt | tr a-z A-Z > out/result.txt; echo log > note.log"],
+        files={"data/in.txt": "hello", "out/.keep": ""}, collect=["out/*", "*.log"])
+    assert result.ok
+    assert result.files == {"out/.keep": b"", "out/result.txt": b"HELLO", "note.log": b"log\n"}
+
+
+def test_collect_budget_is_respected(pool):
+    result = Sandbox(Limits(collect_bytes=1000), pool=pool).run(
+        ["sh", "-c", "head -c 600 /dev/zero > a; head -c 600 /dev/zero > b"], collect=True)
+    assert len(result.files) == 1 and list(result.refused_files.values()) == ["over the collect budget"]
+
+
+def test_per_run_timeout_and_limits_override_the_defaults(pool):
+    sandbox = Sandbox(Limits(timeout_s=30), pool=pool)
+    assert sandbox.run(["sleep", "5"], timeout_s=0.5).status == "timeout"
+    assert sandbox.run_python("print(len(bytearray(64 << 20)))", limits=Limits(memory_mb=512)).ok
+
+
+def test_run_results_are_strings_for_text_and_bytes_exactly(pool):
+    result = Sandbox(pool=pool).run(["printf", "\\377ok"])
+    assert result.stdout_bytes == b"\xffok" and result.stdout == "\ufffdok"
+
+
+# ---- concurrency: threads, asyncio, the bound and backpressure ---------------------------------------------
+
+
+def test_threads_share_the_pool(pool):
+    results: list[str] = []
+
+    def worker(index: int) -> None:
+        for _ in range(4):
+            results.append(Sandbox(pool=pool).run(["echo", str(index)]).stdout.strip())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == sorted(str(i) for i in range(6) for _ in range(4))
+
+
+def test_asyncio_runs_never_exceed_the_slots(pool):
+    peak = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak.append(pool.stats().busy)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    async def main() -> list:
+        sandbox = Sandbox(pool=pool)
+        return await asyncio.gather(*(sandbox.arun(["sleep", "0.3"]) for _ in range(6)))
+
+    started = time.monotonic()
+    try:
+        results = asyncio.run(main())
+    finally:
+        stop.set()
+        watcher.join()
+    assert all(r.ok for r in results)
+    assert max(peak) <= pool.size == 2
+    assert time.monotonic() - started >= 0.85  # three waves of two
+
+
+def test_submit_blocks_when_max_pending_runs_are_queued():
+    with SandboxPool(1, max_pending=2) as small:
+        request = Sandbox(pool=small).request(["sleep", "0.4"])
+        first, second = small.submit(request), small.submit(request)
+        started = time.monotonic()
+        third = small.submit(request)  # waits until the first run is done
+        assert time.monotonic() - started >= 0.3
+        assert all(f.result().ok for f in (first, second, third))
+
+
+def test_a_dead_launcher_is_an_infra_error_then_replaced():
+    with SandboxPool(1) as lonely:
+        sandbox = Sandbox(pool=lonely)
+        assert sandbox.run(["true"]).ok
+        slot = lonely._slots[0]
+        threading.Timer(0.3, lambda: os.kill(slot.process.pid, signal.SIGKILL)).start()
+        result = sandbox.run(["sleep", "5"])
+        assert result.status == "infra_error" and result.is_infra_error and "launcher" in result.error
+        assert sandbox.run(["true"]).ok  # a fresh launcher took over
+        stats = lonely.stats()
+        assert stats.infra_errors == 1 and stats.launcher_restarts == 1
+    # the killed launcher's work dir and cgroups were cleaned up by the trainer side
+    assert [path for path in lonely.footprint() if os.path.exists(path)] == []
+
+
+def test_closed_pool_refuses_runs():
+    closed = SandboxPool(1)
+    closed.close()
+    with pytest.raises(SandboxError, match="closed"):
+        Sandbox(pool=closed).run(["true"])
+
+
+def test_default_sandbox_uses_the_shared_pool():
+    assert Sandbox().run(["echo", "shared"]).stdout == "shared\n"
+
+
+# ---- the explicitly unsafe backend ---------------------------------------------------------------------
+
+
+def test_unsafe_local_backend_warns_on_every_run():
+    with SandboxPool(1, backend="unsafe-local") as local:
+        sandbox = Sandbox(Limits(timeout_s=1), pool=local)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            first = sandbox.run(["sh", "-c", "echo hi > out.txt; echo done"], collect=True)
+            second = sandbox.run(["sleep", "5"])
+        assert sum(issubclass(w.category, UnsafeSandboxWarning) for w in caught) == 2
+        assert first.ok and first.files == {"out.txt": b"hi\n"} and first.backend == "unsafe-local"
+        assert second.status == "timeout"
