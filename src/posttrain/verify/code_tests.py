@@ -173,16 +173,6 @@ def _default_limits(spec: TestSpec, timeout_s: float) -> Limits:
     return Limits(timeout_s=budget, cpu_s=budget, memory_mb=512, processes=64, output_bytes=4 << 20)
 
 
-_default_sandbox: Sandbox | None = None
-
-
-def _sandbox() -> Sandbox:
-    global _default_sandbox
-    if _default_sandbox is None:
-        _default_sandbox = Sandbox()
-    return _default_sandbox
-
-
 @verifier("code", check=_check_code_args)
 def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_tolerance: float = 1e-9,
                 solution_file: str | None = None, limits: Limits | None = None, sandbox: Sandbox | None = None,
@@ -202,7 +192,7 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_to
     workspace = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
     files = {**workspace, "solution.py": source, "_harness.py": _HARNESS_SOURCE, config_name: json.dumps(config)}
     run_limits = limits or _default_limits(spec, timeout_s)
-    box = sandbox or _sandbox()
+    box = sandbox or Sandbox()  # the shared default pool
     retries = 0
     while True:
         result = box.run([box.jail.python, "-B", "-s", "_harness.py", config_name], files=files, limits=run_limits)

@@ -58,15 +58,10 @@ def _check_gym_args(entry: Any = None, dataset: Any = None, **_: Any) -> None:
         raise VerifyError(f"verifier 'reasoning_gym': entry is not JSON data: {error}") from None
 
 
-_scorer_sandbox: Sandbox | None = None
-
-
-def _default_sandbox() -> Sandbox:
-    global _scorer_sandbox
-    if _scorer_sandbox is None:
-        jail = JailOptions(python=sys.executable, ro_paths=python_runtime_paths(sys.executable))
-        _scorer_sandbox = Sandbox(Limits(timeout_s=60, cpu_s=60, memory_mb=1024, processes=32), jail=jail)
-    return _scorer_sandbox
+def scorer_sandbox() -> Sandbox:
+    """A jail that can import reasoning_gym: this interpreter and its packages, bound read-only."""
+    jail = JailOptions(python=sys.executable, ro_paths=python_runtime_paths(sys.executable))
+    return Sandbox(Limits(timeout_s=60, cpu_s=60, memory_mb=1024, processes=32), jail=jail)
 
 
 @verifier("reasoning_gym", check=_check_gym_args)
@@ -92,7 +87,7 @@ def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str
     nonce = new_nonce()
     config_name = f".config-{secrets.token_hex(8)}"
     config = {"nonce": nonce, "dataset": name, "answer": answer, "entry": entry, "timeout_s": timeout_s}
-    box = sandbox or _default_sandbox()
+    box = sandbox or scorer_sandbox()
     for attempt in range(infra_retries + 1):
         result = box.run([box.jail.python, "-B", "-s", "_gym_scorer.py", config_name],
                          files={"_gym_scorer.py": _SCORER_SOURCE, config_name: json.dumps(config)},

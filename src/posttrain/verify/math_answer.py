@@ -26,7 +26,7 @@ from posttrain.verify.registry import verifier
 _BOX = re.compile(r"\\(?:boxed|fbox)\b\s*")
 _ANSWER_LINE = re.compile(r"(?im)^[ \t>*#_]*(?:final\s+answer|answer)\s*(?:is)?\s*[:：=]\s*(.+?)\s*$")
 _ANSWER_IS = re.compile(r"(?im)\b(?:the\s+)?(?:final\s+)?answer\s+is\s*[:：]?\s*(.+?)(?:\.(?:\s|$)|$)")
-_GSM = re.compile(r"(?m)^####\s*(.+?)\s*$")
+_GSM = re.compile(r"(?m)^[ \t]*####\s*(.+?)\s*$")
 _HEDGE = re.compile(
     r"\bor\b|\\lor\b|\\vee\b|\bnor\b|\beither\b|\bmaybe\b|\bperhaps\b|\bprobably\b|\bpossibly\b|\blikely\b"
     r"|\bapprox|\\approx|≈|\\sim\b|\?|\band/or\b",

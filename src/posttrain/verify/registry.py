@@ -16,6 +16,7 @@ When the completion is empty and ``final_state["answer"]`` is a string (agentic 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import traceback
@@ -113,10 +114,16 @@ def check_verifier_args(name: str, verifier_args: dict[str, Any]) -> None:
     if not isinstance(verifier_args, dict):
         raise VerifyError(f"verifier_args for {name!r} must be a dict, got {type(verifier_args).__name__}")
     signature = inspect.signature(entry.raw)
+    takes = [p for p in list(signature.parameters)[1:] if p != "final_state"]
+    open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    unknown = [key for key in verifier_args if key not in takes]
+    if unknown and not open_ended:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, takes, 1))
+                 else repr(key) for key in unknown]
+        raise VerifyError(f"verifier {name!r}: unknown argument {', '.join(hints)}; it takes: {', '.join(takes)}")
     try:
         signature.bind("", final_state=None, **verifier_args)
     except TypeError as error:
-        takes = [p for p in signature.parameters if p not in ("completion", "final_state")]
         raise VerifyError(f"verifier {name!r}: {error}; it takes: {', '.join(takes)}") from None
     if entry.check is not None:
         entry.check(**verifier_args)

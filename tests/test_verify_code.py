@@ -1,0 +1,147 @@
+"""Code rewards on real jails: the three test shapes, partial credit, type-strict comparison, what never enters
+the sandbox, infra failures that are not scores, and agentic final states."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain.sandbox import Limits, RunResult, RunStatus, Sandbox, SandboxPool
+from posttrain.types import FailureClass, Trajectory, Reward
+from posttrain.verify import VerifyError, normalize_stdout, parse_tests, strict_equal, verify_code
+from posttrain.verify._harness import decode, encode
+
+pytestmark = pytest.mark.bwrap
+
+ADD = {"function": "add", "cases": [{"args": [1, 2], "expected": 3}, {"args": [2, 2], "expected": 4},
+                                    {"args": [5, 5], "expected": 10}, {"args": [0, 7], "expected": 7}]}
+
+
+def fenced(source: str) -> str:
+    return f"Here you go:\n```python\n{source}\n```\n"
+
+
+def test_function_cases_partial_credit_is_passed_over_total():
+    reward = verify_code(fenced("def add(a, b):\n    return a + b if a < 5 else 0"), ADD)
+    assert reward.score == 0.75 and not reward.passed and reward.failure == FailureClass.WRONG_ANSWER
+    assert reward.details["cases"] == ["pass", "pass", "wrong output", "pass"]
+    assert reward.details["scheme"] == "function" and reward.details["weaker_scheme"] is False
+
+
+def test_type_strict_equality():
+    assert strict_equal([1, (2, 3)], [1, [2, 3]]) and strict_equal(0.1 + 0.2, 0.3)
+    assert not strict_equal(True, 1) and not strict_equal(1, 1.0) and not strict_equal("1", 1)
+    assert not strict_equal({"a": 1}, {"a": True}) and not strict_equal(float("nan"), float("nan"))
+    reward = verify_code(fenced("def add(a, b):\n    return float(a + b)"), ADD)
+    assert reward.score == 0.0  # 3.0 is not 3
+
+
+def test_values_cross_the_boundary_as_plain_builtins_only():
+    value = {"k": (1, [2.5, None]), 3: {frozenset({1}), b"x"}, "big": 1 << 80, "nan": float("nan")}
+    back = decode(json.loads(json.dumps(encode(value))))
+    assert back["k"] == (1, [2.5, None]) and back[3] == {frozenset({1}), b"x"} and back["big"] == 1 << 80
+    for bad in ({"$eval": "1"}, {"$dict": [[[1], 2]]}, {"$tuple": 5}, {"a": 1, "b": 2}):
+        with pytest.raises((ValueError, TypeError)):
+            decode(bad)
+
+    class Sneaky(int):
+        pass
+
+    with pytest.raises(TypeError):
+        encode(Sneaky(3))
+
+
+def test_stdio_cases_compare_normalized_stdout():
+    tests = [{"stdin": "2 3\n", "stdout": "5\n"}, {"stdin": "10 -1\n", "stdout": "9"}]
+    assert verify_code(fenced("a, b = map(int, input().split())\nprint(a + b, ' ')"), tests).score == 1.0
+    assert verify_code(fenced("print(5)"), tests).score == 0.5
+    assert normalize_stdout("a  \r\nb\n\n") == "a\nb"
+
+
+def test_assert_style_tests_are_the_weaker_scheme():
+    tests = "assert add(1, 2) == 3\nassert add(2, 2) == 4\nx = add(0, 0)\nassert x == 0\n"
+    reward = verify_code(fenced("def add(a, b):\n    return a + b"), tests)
+    assert reward.passed and reward.details["weaker_scheme"] is True and reward.details["total"] == 3
+    assert verify_code(fenced("def add(a, b):\n    return 4"), tests).score == pytest.approx(1 / 3)
+
+
+def test_expected_outputs_never_enter_the_sandbox():
+    seen: list = []
+
+    class Recording:
+        jail = Sandbox().jail
+
+        def run(self, cmd, **options):
+            seen.append(options["files"])
+            return Sandbox().run(cmd, **options)
+
+    secret = {"function": "f", "cases": [{"args": [1], "expected": "EXPECTED-7f3a"}]}
+    verify_code(fenced("def f(x):\n    return x"), secret, sandbox=Recording())
+    io_secret = [{"stdin": "1\n", "stdout": "EXPECTED-9c1d\n"}]
+    verify_code(fenced("print(input())"), io_secret, sandbox=Recording())
+    shipped = json.dumps([{k: v.decode() if isinstance(v, bytes) else v for k, v in f.items()} for f in seen])
+    assert "EXPECTED-7f3a" not in shipped and "EXPECTED-9c1d" not in shipped
+
+
+def test_no_code_compile_error_and_crash_at_import_score_zero():
+    assert verify_code("I would just add them.", ADD).details["reason"] == "no_code"
+    assert verify_code(fenced("def add(a, b) return a"), ADD).details["reason"] == "compile_error"
+    crashed = verify_code(fenced("def add(a, b):\n    return a + b\n1 / 0"), ADD)
+    assert crashed.score == 0 and "ZeroDivisionError" in crashed.details["import_error"]
+
+
+def test_one_slow_case_does_not_sink_the_others():
+    source = "import time\ndef add(a, b):\n    if a == 5:\n        time.sleep(30)\n    return a + b"
+    reward = verify_code(fenced(source), ADD, timeout_s=0.5)
+    assert reward.score == 0.75 and reward.details["cases"][2] == "timeout"
+
+
+def test_trajectory_and_final_state_files():
+    trajectory = Trajectory(task_id="t", domain="code", token_ids=[], loss_mask=[], behaviour_logprobs=[],
+                            policy_versions=[], prompt_length=0, reward=Reward(0.0, False),
+                            messages=[{"role": "user", "content": "add"},
+                                      {"role": "assistant", "content": fenced("def add(a, b):\n    return 0")},
+                                      {"role": "assistant", "content": fenced("def add(a, b):\n    return a + b")}])
+    assert verify_code(trajectory, ADD).passed
+    final_state = {"files": {"pkg/helpers.py": "def plus(a, b):\n    return a + b\n",
+                             "solution.py": "from pkg.helpers import plus\ndef add(a, b):\n    return plus(a, b)\n"}}
+    assert verify_code("", ADD, final_state=final_state, solution_file="solution.py").passed
+    assert verify_code("", ADD, final_state={"files": {}}, solution_file="solution.py").details["reason"] == "no_code"
+
+
+def test_sandbox_infra_failure_is_not_a_score():
+    class Broken:
+        jail = Sandbox().jail
+        calls = 0
+
+        def run(self, cmd, **options):
+            Broken.calls += 1
+            return RunResult(status=RunStatus.INFRA_ERROR, error="jail could not start")
+
+    reward = verify_code(fenced("def add(a, b):\n    return a + b"), ADD, sandbox=Broken(), infra_retries=2)
+    assert reward.failure == FailureClass.SANDBOX and reward.is_infrastructure_failure
+    assert Broken.calls == 3 and reward.details["infra_retries"] == 2
+
+
+def test_jail_limits_still_apply_to_the_candidate():
+    with SandboxPool(1) as pool:
+        bomb = fenced("def add(a, b):\n    x = bytearray(900 << 20)\n    return a + b")
+        reward = verify_code(bomb, ADD, sandbox=Sandbox(pool=pool), limits=Limits(timeout_s=20, memory_mb=256))
+        assert reward.score == 0 and not reward.is_infrastructure_failure
+
+
+@pytest.mark.parametrize("tests, message", [
+    ({"function": "1bad", "cases": [{"args": [], "expected": 1}]}, "identifier"),
+    ({"function": "f", "cases": []}, "non-empty"),
+    ({"function": "f", "cases": [{"args": [1]}]}, "expected"),
+    ({"function": "f", "cases": [{"args": 1, "expected": 1}]}, "args must be a list"),
+    ({"function": "f", "cases": [{"args": [object()], "expected": 1}]}, "JSON"),
+    ([{"stdin": "1"}], "stdin/stdout"),
+    ("assert (", "does not parse"),
+    ("x = 1", "no top-level assert"),
+    (42, "unknown test shape"),
+])
+def test_malformed_test_specs_are_verify_errors(tests, message):
+    with pytest.raises(VerifyError, match=message):
+        parse_tests(tests)
