@@ -1,0 +1,140 @@
+"""Completion tokens/s of the built-in engine (`HFEngine`) against transformers' `model.generate`.
+
+    .venv/bin/python bench/generation.py [--presets tiny-3m tiny-10m] [--repeats 7] [--threads 2]
+
+Same model object, same prompts (8 chat prompts), same settings: 8 samples per prompt (64 sequences), up to 64
+new tokens, temperature 1, no top-k/top-p, in fp32 and in bf16 autocast. `generate` gets
+``num_return_sequences=8, do_sample=True`` and the prompts left-padded; the engine gets ``n=8``. Both are
+timed side by side, alternating which goes first, and the figures are medians over the repeats (the machine
+is shared: single runs are noisy). Tokens counted are the completion tokens actually produced (through the eos
+when one is sampled), so padding `generate` adds after an eos is not counted for it.
+
+Ends with exactly one JSON line: per preset and precision the medians and their ratio; ``"ratio"`` is the
+smallest same-precision ratio over the presets run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from posttrain.models import build_tiny_model, train_tokenizer
+from posttrain.rollout import HFEngine
+from posttrain.types import GenerationRequest, SamplingParams
+
+PROMPTS, SAMPLES, NEW_TOKENS = 8, 8, 64
+
+
+def make_tokenizer():
+    rng = random.Random(0)
+    corpus = [f"What is {rng.randint(0, 999)} + {rng.randint(0, 999)}? Think step by step." for _ in range(500)]
+    corpus += [f"{a} + {b} = {a + b}. The answer is {a + b}." for a, b in ((rng.randint(0, 99), 7) for _ in range(500))]
+    return train_tokenizer(corpus, vocab_size=512)
+
+
+def make_prompts(tokenizer) -> list[list[int]]:
+    prompts = []
+    for i in range(PROMPTS):
+        messages = [{"role": "user", "content": f"What is {17 * i + 3} + {29 * i + 11}?"}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+    return prompts
+
+
+def precision_context(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def run_engine(engine: HFEngine, prompts: list[list[int]]) -> tuple[int, float]:
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=SAMPLES)
+    started = time.perf_counter()
+    groups = engine.generate([GenerationRequest(p) for p in prompts], sampling)
+    seconds = time.perf_counter() - started
+    return sum(len(c.token_ids) for group in groups for c in group), seconds
+
+
+def run_transformers(model, tokenizer, prompts: list[list[int]], precision: str) -> tuple[int, float]:
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
+    started = time.perf_counter()
+    with torch.inference_mode(), precision_context(precision):
+        output = model.generate(
+            **batch, do_sample=True, num_return_sequences=SAMPLES, max_new_tokens=NEW_TOKENS,
+            temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    new = output[:, batch["input_ids"].shape[1] :]
+    produced = 0
+    for row in new.tolist():  # through the first eos; what follows is padding
+        produced += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+    return produced, seconds
+
+
+def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int) -> dict:
+    model = build_tiny_model(preset, tokenizer, seed=0).eval()
+    engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None) for p in precisions}
+    rates: dict[str, dict[str, list[float]]] = {p: {"engine": [], "transformers": []} for p in precisions}
+    for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs
+        run_engine(engines[precision], prompts)
+        run_transformers(model, tokenizer, prompts, precision)
+    for repeat in range(repeats):
+        for precision in precisions:
+            order = ["engine", "transformers"] if repeat % 2 == 0 else ["transformers", "engine"]
+            for who in order:
+                if who == "engine":
+                    tokens, seconds = run_engine(engines[precision], prompts)
+                else:
+                    tokens, seconds = run_transformers(model, tokenizer, prompts, precision)
+                rates[precision][who].append(tokens / seconds)
+    result = {}
+    for precision, runs in rates.items():
+        engine, transformers = statistics.median(runs["engine"]), statistics.median(runs["transformers"])
+        result[precision] = {
+            "engine_tokens_per_s": round(engine),
+            "transformers_tokens_per_s": round(transformers),
+            "ratio": round(engine / transformers, 2),
+            "runner": engines[precision].runner,
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny-3m", "tiny-10m"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = make_tokenizer()
+    prompts = make_prompts(tokenizer)
+    results = {}
+    for preset in args.presets:
+        results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats)
+        for precision, figures in results[preset].items():
+            print(
+                f"{preset:9s} {precision:5s} engine {figures['engine_tokens_per_s']:>7,} tok/s   "
+                f"transformers {figures['transformers_tokens_per_s']:>7,} tok/s   ratio {figures['ratio']:.2f}"
+            )
+    summary = {
+        "bench": "generation",
+        "sequences": PROMPTS * SAMPLES,
+        "max_new_tokens": NEW_TOKENS,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "results": results,
+        "ratio": min(f["ratio"] for preset in results.values() for f in preset.values()),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

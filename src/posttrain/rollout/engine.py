@@ -1,0 +1,282 @@
+"""`HFEngine`: the built-in inference engine, on any Hugging Face causal LM, CPU or CUDA.
+
+One `generate` call runs its requests in chunks of at most ``max_batch_size`` sequences. A chunk:
+
+1. prefills each distinct prompt once (left-padded together, position ids counting real tokens only);
+2. gives each of the ``n`` sequences of a prompt its own copy of the prompt's KV (the group shares the prefill);
+3. decodes one token per running sequence per step, sampling with `Sampler` (the logprob reported is
+   ``log_softmax(logits / T)`` of the sampled token, before top-k/top-p);
+4. stops each sequence on its own (`StopRule`: eos / stop tokens / stop strings / length) and compacts the
+   batch once an eighth of it has finished, so finished sequences stop costing compute.
+
+Two runners do the model maths: `DecoderRunner` (Llama-family models: static KV cache, flat layer loop —
+several times faster on small models) and `GenericRunner` (anything, through ``model.forward``). Both give the
+logprobs of a teacher-forced forward pass of the model, to float rounding.
+
+`update_weights` copies a state dict into the model in place and tags later completions with its version; a
+lock makes it wait for a running `generate`, so every token of a completion comes from the version it reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+
+from posttrain.rollout.decoder import DecoderRunner, fast_path_unsupported
+from posttrain.rollout.errors import RolloutError
+from posttrain.rollout.generic import GenericRunner
+from posttrain.rollout.sampling import Sampler, check_sampling, stream_seed, unseeded
+from posttrain.rollout.stopping import StopRule, eos_token_ids
+from posttrain.rollout.weights import check_state, copy_state
+from posttrain.types import Completion, GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    """Running totals, for throughput logs and for callers that want to know how the engine was used."""
+
+    generate_calls: int = 0
+    chunks: int = 0
+    sequences: int = 0
+    completion_tokens: int = 0
+    generate_s: float = 0.0
+    weight_updates: int = 0
+    update_s: float = 0.0
+    last_update_s: float | None = None
+
+
+def _dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value in _DTYPES:
+        return _DTYPES[value]
+    raise RolloutError(f"HFEngine: {what}={value!r}; use one of {sorted(_DTYPES)} or a torch dtype")
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on a Hugging Face causal LM; see the module docstring.
+
+    The engine owns ``model`` from here on: it is put in eval mode and, when asked, moved to ``device`` and
+    cast to ``dtype`` in place. To keep training the original, give the engine a copy and push the trained
+    weights with `update_weights`. ``autocast`` (e.g. ``"bfloat16"``) runs the matmuls in that dtype with
+    the parameters as they are — the numerics of a trainer under `torch.autocast`. ``runner`` picks the
+    model maths: ``"auto"`` (the fast decoder when the architecture allows), ``"fast"`` or ``"generic"``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        autocast: torch.dtype | str | None = None,
+        max_batch_size: int = 64,
+        policy_version: int = 0,
+        runner: Literal["auto", "fast", "generic"] = "auto",
+    ):
+        if hasattr(model, "peft_config"):
+            raise RolloutError(
+                "HFEngine: give the engine a plain model, not a PEFT one: merge the adapter "
+                "(posttrain.models.merged_copy) and push later weights with "
+                "engine.update_weights(posttrain.rollout.state_for_engine(peft_model), version)"
+            )
+        if max_batch_size < 1:
+            raise RolloutError(f"HFEngine: max_batch_size must be >= 1, got {max_batch_size}")
+        if device is not None:
+            model.to(device)
+        cast = _dtype(dtype, "dtype")
+        if cast is not None:
+            model.to(cast)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.autocast = _dtype(autocast, "autocast")
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        config = model.config
+        self.max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self._version = policy_version
+        self._lock = threading.Lock()
+        self.stats = EngineStats()
+        self._runner = self._make_runner(runner)
+
+    def _make_runner(self, choice: str) -> DecoderRunner | GenericRunner:
+        reason = fast_path_unsupported(self.model)
+        if choice == "fast" and reason is not None:
+            raise RolloutError(f"HFEngine(runner='fast'): {reason}; use runner='auto' or 'generic'")
+        if choice == "generic" or reason is not None:
+            if choice == "auto":
+                log.info("HFEngine: generic runner (%s)", reason)
+            return GenericRunner(self.model, self.autocast)
+        return DecoderRunner(self.model, self.autocast)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def runner(self) -> str:
+        return "fast" if isinstance(self._runner, DecoderRunner) else "generic"
+
+    # ---- generate -------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingParams,
+        *,
+        request_seeds: Sequence[int | None] | None = None,
+    ) -> list[list[Completion]]:
+        """Per request, ``sampling.n`` completions.
+
+        With ``sampling.seed`` set, completion j of request i draws from the stream (seed, i, j): the same
+        call gives the same tokens. ``request_seeds`` (one per request; None = unseeded) replaces it with
+        a stream per request that does not depend on the request's place in the call: a request with seed
+        s samples exactly what ``generate([request], sampling with seed=s)`` samples (the batcher uses this).
+        """
+        check_sampling(sampling)
+        prompts = [list(r.prompt_token_ids) for r in requests]
+        limits = [self._room(i, r, prompt, sampling) for i, (r, prompt) in enumerate(zip(requests, prompts))]
+        streams = self._streams(len(requests), sampling, request_seeds)
+        started = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            version = self._version
+            results: list[list[Completion]] = [[] for _ in requests]
+            for chunk in self._chunks(prompts, sampling.n):
+                outputs = self._run_chunk(
+                    [prompts[i] for i in chunk],
+                    [limits[i] for i in chunk],
+                    [stream_seed(*streams[i], j) for i in chunk for j in range(sampling.n)],
+                    sampling,
+                )
+                for position, index in enumerate(chunk):
+                    for ids, logprobs, text, reason in outputs[position * sampling.n : (position + 1) * sampling.n]:
+                        results[index].append(
+                            Completion(ids, text, logprobs, reason, version, requests[index].request_id)
+                        )
+            self._runner.release()
+        self.stats.generate_calls += 1
+        self.stats.generate_s += time.perf_counter() - started
+        return results
+
+    def _room(self, index: int, request: GenerationRequest, prompt: list[int], sampling: SamplingParams) -> int:
+        """How many tokens this request may generate; raises RolloutError for an unusable prompt."""
+        where = f"request {index}" + (f" ({request.request_id})" if request.request_id else "")
+        if not prompt:
+            raise RolloutError(f"{where}: empty prompt (the engine needs at least one prompt token)")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise RolloutError(f"{where}: token ids must be in [0, {self.vocab_size}) for this model")
+        limit = sampling.max_new_tokens
+        if self.max_length is not None:
+            limit = min(limit, self.max_length - len(prompt))
+            if limit < 1:
+                raise RolloutError(
+                    f"{where}: a prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                    f"{self.max_length}"
+                )
+        return limit
+
+    @staticmethod
+    def _streams(
+        count: int, sampling: SamplingParams, request_seeds: Sequence[int | None] | None
+    ) -> list[tuple[int, int]]:
+        if request_seeds is not None:
+            if len(request_seeds) != count:
+                raise RolloutError(f"request_seeds has {len(request_seeds)} entries for {count} requests")
+            return [(unseeded() if s is None else s, 0) for s in request_seeds]
+        seed = unseeded() if sampling.seed is None else sampling.seed
+        return [(seed, slot) for slot in range(count)]
+
+    def _chunks(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        # Similar lengths together waste less padding; a group (n rows of one prompt) is never split.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        per_chunk = max(1, self.max_batch_size // n)
+        return [order[i : i + per_chunk] for i in range(0, len(order), per_chunk)]
+
+    def _run_chunk(
+        self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams
+    ) -> list[tuple[list[int], list[float], str, str]]:
+        n = sampling.n
+        row_limits = [limit for limit in limits for _ in range(n)]
+        steps = max(row_limits)
+        rows = len(row_limits)
+        logits = self._runner.prefill(prompts, n, max(len(p) for p in prompts) + steps)
+        sampler = Sampler(sampling, row_seeds, steps, self.device)
+        rule = StopRule(self.tokenizer, self.eos_ids, sampling)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        reasons: list[str | None] = [None] * rows
+        batch: list[int | None] = list(range(rows))  # batch position -> row (None: finished, not yet dropped)
+        for step in range(steps):
+            sampled, sampled_logprobs = sampler.sample(logits, step)
+            running = []
+            for row, token, logprob in zip(batch, sampled.tolist(), sampled_logprobs.tolist()):
+                if row is not None:
+                    tokens[row].append(token)
+                    logprobs[row].append(logprob)
+                    if token in rule.stop_ids:
+                        reasons[row] = "token"
+                    else:
+                        running.append(row)
+            for row, hit in zip(running, rule.string_hits([tokens[r] for r in running])):
+                if hit:
+                    reasons[row] = "string"
+                elif len(tokens[row]) >= row_limits[row]:
+                    reasons[row] = "length"
+            batch = [row if row is not None and reasons[row] is None else None for row in batch]
+            alive = [position for position, row in enumerate(batch) if row is not None]
+            if not alive:
+                break
+            if len(batch) - len(alive) >= max(1, len(batch) // 8):
+                keep = torch.tensor(alive, device=self.device)
+                self._runner.keep(keep)
+                sampler.keep(keep)
+                sampled = sampled[keep]
+                batch = [batch[p] for p in alive]
+            logits = self._runner.decode(sampled)
+        self.stats.chunks += 1
+        self.stats.sequences += rows
+        self.stats.completion_tokens += sum(len(t) for t in tokens)
+        outputs = []
+        for row in range(rows):
+            reason = reasons[row] or "length"
+            ids, lps, text = rule.cut(tokens[row], logprobs[row], reason)
+            outputs.append((ids, lps, text, "length" if reason == "length" else "stop"))
+        return outputs
+
+    # ---- weights ----------------------------------------------------------------------------------------
+
+    def update_weights(self, state: Mapping[str, Any], version: int) -> float:
+        """Copy `state` into the model in place; later completions report `version`. Returns seconds taken.
+
+        Waits for a running `generate` to finish. Names: see `posttrain.rollout.weights` (the model's own
+        state-dict names, optionally behind ``module.``, ``_orig_mod.``, ``base_model.model.`` or PEFT's
+        ``.base_layer``). A bad state raises RolloutError and changes nothing.
+        """
+        started = time.perf_counter()
+        with self._lock:
+            try:
+                updates = check_state(self.model, state)
+            except ValueError as error:
+                raise RolloutError(f"update_weights(version={version}): {error}") from None
+            written = copy_state(updates)
+            self._version = version
+        seconds = time.perf_counter() - started
+        self.stats.weight_updates += 1
+        self.stats.update_s += seconds
+        self.stats.last_update_s = seconds
+        log.info(
+            "update_weights: version %d, %d tensors, %.1f MB in %.3f s", version, len(updates), written / 1e6, seconds
+        )
+        return seconds

@@ -1,0 +1,93 @@
+"""The general path: any Hugging Face causal LM through its own forward and cache object.
+
+Slower than `DecoderRunner` (the module tree, mask building and cache bookkeeping run at every step) but it
+works for any model whose forward takes ``attention_mask``, ``position_ids`` and a cache, which is every
+decoder-only model in transformers, a PEFT-wrapped one included. Prompts are left-padded; position ids
+count real tokens only, so a padded prompt sees the positions it would see alone.
+
+The group expansion and the compaction use the cache's own ``batch_repeat_interleave`` /
+``batch_select_indices`` (transformers' `DynamicCache`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+
+def _forward_keywords(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
+    """The cache keyword and the keep-only-the-last-logits keyword this model's forward takes."""
+    # A PEFT model forwards **kwargs to the model it wraps: look at that one's signature.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parameters = inspect.signature(base.forward).parameters
+    # transformers 5 renamed `past_key_values` to `cache` (the old name still works, with a warning).
+    cache = "cache" if "cache" in parameters else "past_key_values"
+    for keep in ("logits_to_keep", "num_logits_to_keep"):
+        if keep in parameters:
+            return cache, {keep: 1}
+    return cache, {}
+
+
+class GenericRunner:
+    """Prefill, decode and compaction through ``model.forward`` with a dynamic KV cache."""
+
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None):
+        self.model = model
+        self.autocast = autocast
+        self.device = next(model.parameters()).device
+        self.cache_keyword, self.keep_last = _forward_keywords(model)
+        self.cache = None
+
+    def _context(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with self._context():
+            output = self.model(
+                input_ids=ids,
+                attention_mask=self.mask,
+                position_ids=positions,
+                use_cache=True,
+                **self.keep_last,
+                **({self.cache_keyword: self.cache} if self.cache is not None else {}),
+            )
+        self.cache = getattr(output, self.cache_keyword, None)
+        if self.cache is None:
+            self.cache = output.past_key_values
+        return output.logits[:, -1].float()
+
+    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, capacity: int) -> torch.Tensor:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, self.mask = ids.to(self.device), mask.to(self.device)
+        positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)
+        self.cache = None
+        logits = self._run(ids, positions)
+        if rows_per_prompt > 1:
+            self.cache.batch_repeat_interleave(rows_per_prompt)
+            self.mask = self.mask.repeat_interleave(rows_per_prompt, dim=0)
+            logits = logits.repeat_interleave(rows_per_prompt, dim=0)
+        self.positions = self.mask.sum(-1)
+        return logits
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        logits = self._run(tokens[:, None], self.positions[:, None])
+        self.positions = self.positions + 1
+        return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.positions = self.positions[rows]
+
+    def release(self) -> None:
+        self.cache = None

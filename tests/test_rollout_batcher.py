@@ -1,0 +1,97 @@
+"""AsyncBatcher: concurrent callers share engine calls, each gets its own result, the loop stays responsive."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from posttrain.models import build_tiny_model, train_tokenizer
+from posttrain.rollout import AsyncBatcher, HFEngine, RolloutError
+from posttrain.types import GenerationRequest, SamplingParams
+
+CORPUS = ["12+34=46 the quick brown fox jumps over the lazy dog.\n"] * 20 + [f"{i}*{i}={i * i}\n" for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tokenizer = train_tokenizer(CORPUS, vocab_size=300)
+    return HFEngine(build_tiny_model("tiny-1m", tokenizer, seed=0), tokenizer, max_batch_size=64)
+
+
+def prompts(engine, count):
+    return [GenerationRequest(engine.tokenizer(f"{i}*{i}=")["input_ids"], request_id=f"e{i}") for i in range(count)]
+
+
+def test_concurrent_callers_are_batched_and_get_their_own_results(engine):
+    reqs = prompts(engine, 12)
+    sampling = SamplingParams(max_new_tokens=6, n=2)
+
+    async def episodes():
+        async with AsyncBatcher(engine, max_wait_s=0.05) as batcher:
+            seeded = [dataclasses.replace(sampling, seed=100 + i) for i in range(len(reqs))]
+            results = await asyncio.gather(*(batcher.generate(r, s) for r, s in zip(reqs, seeded)))
+            return results, batcher.stats
+
+    calls_before = engine.stats.generate_calls
+    results, stats = asyncio.run(episodes())
+    assert stats.engine_calls == engine.stats.generate_calls - calls_before == 1
+    assert stats.requests == 12 and stats.sequences == 24
+    for index, (request, completions) in enumerate(zip(reqs, results)):
+        assert [c.request_id for c in completions] == [request.request_id] * 2
+        alone = engine.generate([request], dataclasses.replace(sampling, seed=100 + index))[0]
+        assert [c.token_ids for c in completions] == [c.token_ids for c in alone]  # its own seeded stream
+
+
+def test_incompatible_sampling_goes_in_separate_batches(engine):
+    reqs = prompts(engine, 8)
+    cold, hot = SamplingParams(max_new_tokens=4, temperature=0.5), SamplingParams(max_new_tokens=4, temperature=1.0)
+
+    async def episodes():
+        async with AsyncBatcher(engine, max_wait_s=0.05) as batcher:
+            results = await asyncio.gather(
+                *(batcher.generate(r, cold if i % 2 else hot) for i, r in enumerate(reqs))
+            )
+            return results, batcher.stats
+
+    results, stats = asyncio.run(episodes())
+    assert stats.engine_calls == 2 and sorted(stats.batch_sizes) == [4, 4]
+    assert all(len(r) == 1 for r in results)
+
+
+def test_a_full_batch_runs_without_waiting_and_the_loop_stays_responsive(engine):
+    reqs = prompts(engine, 16)
+    sampling = SamplingParams(max_new_tokens=24, n=4)  # 16 x 4 = 64 sequences: one full batch
+
+    async def episodes():
+        ticks = 0
+
+        async def heartbeat():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        beat = asyncio.create_task(heartbeat())
+        async with AsyncBatcher(engine, max_wait_s=30.0) as batcher:  # never waits the window out
+            results = await asyncio.wait_for(asyncio.gather(*(batcher.generate(r, sampling) for r in reqs)), 20)
+        beat.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(episodes())
+    assert len(results) == 16 and ticks > 5  # the event loop ran while the engine worked
+
+
+def test_a_bad_request_fails_alone(engine):
+    good = prompts(engine, 3)
+    bad = GenerationRequest([], request_id="empty")
+
+    async def episodes():
+        async with AsyncBatcher(engine, max_wait_s=0.05) as batcher:
+            sampling = SamplingParams(max_new_tokens=3)
+            return await asyncio.gather(*(batcher.generate(r, sampling) for r in [*good, bad]), return_exceptions=True)
+
+    *fine, failed = asyncio.run(episodes())
+    assert isinstance(failed, RolloutError) and "empty prompt" in str(failed)
+    assert all(len(r) == 1 and r[0].token_ids for r in fine)
