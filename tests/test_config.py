@@ -76,3 +76,16 @@ def test_dumped_recipe_loads_back_identically(tmp_path):
     recipe = load_recipe(None, ["optim.lr=2e-4", "data.mix.weights={a: 2.0}"], SFTRecipe)
     path = write(tmp_path, dump_recipe(recipe))
     assert load_recipe(path) == recipe
+
+
+def test_overrides_index_lists(tmp_path):
+    from posttrain.config.demo import DemoRecipe
+
+    path = write(tmp_path, "stage: demo\ndomains:\n  - name: arithmetic\n    demos: 10\n  - name: extraction\n")
+    recipe = load_recipe(path, ["domains.1.demos=7", "sft.optim.lr=0.01"], DemoRecipe)
+    assert [d.demos for d in recipe.domains] == [10, 7]
+    assert recipe.sft.optim.lr == 0.01
+    with pytest.raises(ConfigError, match="is a list of 2; '5' is not an index"):
+        load_recipe(path, ["domains.5.demos=1"], DemoRecipe)
+    with pytest.raises(ConfigError, match=r"override 'domains.1.demoz=3': unknown key 'domains.1.demoz' \(did you mean 'domains.1.demos'"):
+        load_recipe(path, ["domains.1.demoz=3"], DemoRecipe)

@@ -101,18 +101,29 @@ def parse_override(override: str) -> tuple[list[str], Any]:
 
 
 def _apply_override(data: dict[str, Any], override: str) -> tuple:
+    """Set `a.b.c=value` in the raw recipe; a numeric part indexes a list (`domains.0.weight=2`)."""
     parts, value = parse_override(override)
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            where = ".".join(parts[: i + 1])
-            raise ConfigError(f"override {override!r}: {where} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-    return tuple(parts)
+    node: Any = data
+    path: list[Any] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                where = ".".join(parts[:i]) or "<recipe>"
+                raise ConfigError(f"override {override!r}: {where} is a list of {len(node)}; '{part}' is not an index in it")
+            key: Any = int(part)
+        elif isinstance(node, dict):
+            key = part
+        else:
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[:i])} is a value, not a section")
+        path.append(key)
+        if last:
+            node[key] = value
+        else:
+            if isinstance(node, dict) and node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+    return tuple(path)
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:

@@ -37,6 +37,7 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
     max_concurrent_episodes: int = Field(256, gt=0)
     infra_retries: int = Field(2, ge=0)  # re-run an episode that failed for infrastructure reasons
+    engine_batch_size: int = Field(256, gt=0)  # sequences per engine forward
     engine_threads: int | None = None  # torch threads of the rollout side when overlapping with training
 
 
@@ -77,6 +78,7 @@ class ReturnConfig(Section):
 
 class PipelineConfig(Section):
     max_staleness: int = Field(0, ge=0)  # policy versions a trajectory may lag; 0 = synchronous on-policy
+    overlap: bool = True  # with max_staleness > 0, sample the next batches while training on this one
     stale: Literal["drop", "reweight"] = "drop"  # beyond max_staleness (multi-turn episodes spanning updates)
     self_test: bool = True
     self_test_tolerance: float | None = None  # max |engine - trainer| logprob; default by precision
@@ -86,6 +88,7 @@ class RLTrainConfig(Section):
     max_steps: int = Field(100, gt=0)
     max_minutes: float | None = None
     micro_batch_size: int = Field(64, gt=0)  # sequences per forward/backward
+    updates_per_batch: int = Field(1, gt=0)  # optimizer steps per rollout batch (PPO mini-batches)
     log_every: int = Field(1, gt=0)
     eval_every: int | None = None
     save_every: int | None = None
@@ -96,7 +99,6 @@ class RLTrainConfig(Section):
 class RLRecipe(Section):
     stage: Literal["rl"] = "rl"
     output_dir: str = "runs/rl"
-    seed: int = 0
     model: ModelConfig = ModelConfig()
     domains: list[DomainConfig] = [DomainConfig(name="arithmetic", levels=[2])]
     rollout: RolloutConfig = RolloutConfig()

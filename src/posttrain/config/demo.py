@@ -1,0 +1,47 @@
+"""The demo recipe: the whole pipeline on the built-in tiny model, as a sequence of stages.
+
+    posttrain demo                       (the packaged recipes/demo.yaml)
+    posttrain demo sft.train.max_minutes=2
+
+Each stage section is that stage's own recipe (the same schema `posttrain sft` takes); the demo fills in
+the paths (the base model it built, the data it generated, the previous stage's checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from posttrain.config.common import Section
+from posttrain.config.load import recipe
+from posttrain.config.sft import SFTRecipe
+
+
+class DemoDomain(Section):
+    """A task domain of the demo: where its demonstrations come from and how it is held out."""
+
+    name: str
+    args: dict[str, Any] = {}
+    sft_levels: list[int] = [1]  # levels the SFT demonstrations cover
+    demos: int = Field(1000, ge=0)  # how many demonstrations SFT gets (scarce on purpose)
+    heldout_levels: list[int] = [1]  # levels of the held-out evaluation set
+    heldout: int = Field(200, ge=0)
+
+
+class DemoEval(Section):
+    max_new_tokens: int = Field(96, gt=0)
+    batch_size: int = Field(64, gt=0)
+
+
+@recipe("demo")
+class DemoRecipe(Section):
+    stage: Literal["demo"] = "demo"
+    output_dir: str = "runs/demo"
+    seed: int = 0
+    preset: Literal["tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m"] = "tiny-3m"
+    vocab_size: int = Field(512, ge=300)
+    stages: list[str] = ["sft"]  # in order; later issues add dpo, rl, sft_control, report
+    domains: list[DemoDomain] = [DemoDomain(name="arithmetic", sft_levels=[1, 2, 3], heldout_levels=[3])]
+    sft: SFTRecipe = SFTRecipe()
+    eval: DemoEval = DemoEval()

@@ -1,0 +1,10 @@
+"""The demo: every stage of posttrain on the built-in tiny model (`posttrain demo`).
+
+Stages register with `@demo_stage(name)`; the recipe's `stages` list picks and orders them.
+"""
+
+from posttrain.demo import base as _base  # noqa: F401  (registers "base")
+from posttrain.demo import sft as _sft  # noqa: F401  (registers "sft")
+from posttrain.demo.pipeline import STAGES, DemoRun, demo_stage, print_summary, run_demo
+
+__all__ = ["STAGES", "DemoRun", "demo_stage", "print_summary", "run_demo"]

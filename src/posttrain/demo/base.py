@@ -1,0 +1,81 @@
+"""Demo stage `base`: the demo's data, a tokenizer trained on it, and a freshly built tiny model.
+
+For each demo domain: `demos` SFT demonstrations drawn from the train split at `sft_levels`, and `heldout`
+tasks drawn from the held-out split at `heldout_levels` (the split is by a hash of the problem, so the two
+never share one). The tokenizer is trained on the text of both, plus the tool and format strings the
+later stages use, so no stage meets an unseen word.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from posttrain.data import SFTSample
+from posttrain.demo.pipeline import DemoRun, demo_stage
+from posttrain.models import build_tiny_model, count_parameters, save_model_dir, train_tokenizer
+from posttrain.tasks import get_domain, sample_tasks
+from posttrain.types import Task
+
+SFT_FILE = "sft_train.jsonl"
+
+
+def heldout_file(domain: str) -> str:
+    return f"heldout_{domain}.jsonl"
+
+
+@demo_stage("base")
+def base(run: DemoRun) -> dict[str, Any]:
+    recipe = run.recipe
+    run.data_dir.mkdir(parents=True, exist_ok=True)
+    demos: list[SFTSample] = []
+    heldout: dict[str, list[Task]] = {}
+    for index, spec in enumerate(recipe.domains):
+        domain = get_domain(spec.name, **spec.args)
+        tasks = sample_tasks(domain, spec.demos, level=spec.sft_levels, split="train", seed=recipe.seed + index)
+        demos += [domain.demonstration(task) for task in tasks]
+        heldout[spec.name] = sample_tasks(domain, spec.heldout, level=spec.heldout_levels, split="heldout",
+                                          seed=recipe.seed + index)
+    write_jsonl(run.data_dir / SFT_FILE, (sample.to_dict() for sample in demos))
+    for name, tasks in heldout.items():
+        write_jsonl(run.data_dir / heldout_file(name), (task.to_dict() for task in tasks))
+
+    tokenizer = train_tokenizer(_corpus(demos, heldout), vocab_size=recipe.vocab_size)
+    model = build_tiny_model(recipe.preset, tokenizer, seed=recipe.seed)
+    save_model_dir(run.base_dir, model, tokenizer)
+    return {
+        "preset": recipe.preset,
+        "parameters": count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "demonstrations": {spec.name: spec.demos for spec in recipe.domains},
+        "heldout_items": {name: len(tasks) for name, tasks in heldout.items()},
+    }
+
+
+def load_heldout(run: DemoRun) -> list[Task]:
+    tasks: list[Task] = []
+    for spec in run.recipe.domains:
+        path = run.data_dir / heldout_file(spec.name)
+        tasks += [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return tasks
+
+
+def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
+def _corpus(demos: list[SFTSample], heldout: dict[str, list[Task]]) -> list[str]:
+    texts = []
+    for sample in demos:
+        texts += [m.get("content") or "" for m in sample.messages]
+        texts += [json.dumps(call.get("function", call)) for m in sample.messages for call in m.get("tool_calls", [])]
+        if sample.metadata.reasoning_trace:
+            texts.append(sample.metadata.reasoning_trace)
+    for tasks in heldout.values():
+        texts += [m.get("content") or "" for task in tasks for m in task.messages]
+    return texts
