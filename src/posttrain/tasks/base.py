@@ -14,7 +14,7 @@ import random
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from posttrain.data import SampleMetadata, SFTSample
-from posttrain.types import PosttrainError, Task
+from posttrain.types import Message, PosttrainError, Task
 
 SPLITS = ("train", "heldout")
 
@@ -46,7 +46,16 @@ def domain(name: str):
     return register
 
 
+# Domain families registered on first use, because importing their package is slow (name prefix -> module).
+LAZY_DOMAINS = {"reasoning_gym/": "posttrain.tasks.reasoning_gym"}
+
+
 def get_domain(name: str, **kwargs: Any) -> Domain:
+    for prefix, module in LAZY_DOMAINS.items():
+        if name.startswith(prefix) and name not in DOMAINS:
+            import importlib
+
+            importlib.import_module(module).register_all()
     if name not in DOMAINS:
         import difflib
 
@@ -125,3 +134,31 @@ def demo_sample(task: Task, answer: str, trace: str | None, source: str = "gener
             extras={"task_id": task.id},
         ),
     )
+
+
+def demo_conversation(task: Task, turns: list[Message], trace: str | None = None,
+                      source: str = "generated", tools: list[dict[str, Any]] | None = None) -> SFTSample:
+    """A multi-turn SFT sample: the task's messages, then `turns` (assistant tool calls, tool results, the answer).
+
+    `tools` (the tool schemas the prompt showed, if any) is kept in the metadata so a tokenizer that renders
+    tools in the prompt can render the demonstration the way the environment renders the episode.
+    """
+    extras: dict[str, Any] = {"task_id": task.id}
+    if tools:
+        extras["tools"] = tools
+    return SFTSample(
+        messages=[*task.messages, *turns],
+        metadata=SampleMetadata(
+            domain=task.domain, difficulty=task.difficulty, reasoning_trace=trace, source=source, extras=extras
+        ),
+    )
+
+
+def tool_call_message(name: str, arguments: dict[str, Any], content: str = "") -> Message:
+    """An assistant turn that calls one tool, in the Hugging Face message form."""
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def tool_result_message(name: str, content: str) -> Message:
+    return {"role": "tool", "name": name, "content": content}

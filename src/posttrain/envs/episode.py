@@ -1,0 +1,342 @@
+"""The episode loop: generate -> execute -> observe until done, then verify the final state.
+
+    trajectory = await rollout_episode(policy, task, tokenizer, SamplingParams(max_new_tokens=128))
+    group = await rollout_group(policy, task, tokenizer, sampling, n=8)        # one GRPO group
+    batch = await rollout_many(policy, tasks, tokenizer, sampling, n=8)        # many groups, concurrently
+
+One episode: make the task's environment, reset it, tokenize the prompt once, then up to ``task.max_steps`` turns
+of (the policy samples a turn from the exact token sequence so far; the env executes it; its observation is
+appended as chat-template delta tokens, see `posttrain.envs.tokens`). It stops when the env says done, when
+``task.timeout_s`` of wall time is spent, when a turn is cut off by the token limit, or when the context is full.
+The final state is judged by the task's verifier, the same one evaluation uses.
+
+Failure classes (``Trajectory.reward.failure``), first match wins:
+
+* ``INFRA`` / ``SANDBOX``: the engine raised, the env crashed, a tool's sandbox failed to start, or the verifier
+  reported an infrastructure failure. Such a trajectory is the system's fault: its ``loss_mask`` is zeroed and
+  its score must be masked, never trained on as a 0 (`is_infrastructure_failure`);
+* solved: ``NONE`` (even if truncated or out of time: the final state passed);
+* ``TRUNCATED``: a turn hit the token limit or the context filled up;
+* ``TIMEOUT``: the episode ran out of wall time;
+* ``TOOL_ERROR``: tool calls failed, and no final answer was given, or the last step's call failed, or no call
+  ever succeeded;
+* otherwise the verifier's class (``FORMAT``, ``WRONG_ANSWER``, ``TIMEOUT`` of the model's code ...).
+
+``env_args["step_cost"]`` adds a ``step_cost`` component (``-cost * (steps - 1)``) to the reward for the RL return; the
+score itself stays the verifier's outcome, so evaluation and training read the same number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from posttrain.envs.base import Action, ToolInfraError, make_environment
+from posttrain.envs.policy import as_policy
+from posttrain.envs.tokens import TranscriptTokens
+from posttrain.types import FailureClass, GenerationRequest, Reward, SamplingParams, Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class _Infra(Exception):
+    def __init__(self, failure: FailureClass, message: str):
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass
+class _Episode:
+    """Mutable bookkeeping of one episode while it runs."""
+
+    steps: int = 0
+    tool_calls: int = 0
+    tool_calls_ok: int = 0
+    failed_steps: int = 0
+    last_step_failed: bool = False
+    truncated: bool = False
+    timed_out: bool = False
+    final_answer: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+async def rollout_episode(
+    policy: Any,
+    task: Task,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    sandbox: Any = None,
+    *,
+    max_context_tokens: int | None = None,
+    group_id: str = "",
+    parser: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
+    infra_retries: int = 0,
+) -> Trajectory:
+    """Run one episode of `task` with `policy` and return its verified, token-exact trajectory.
+
+    `policy` is an async policy (``await policy.generate(request, sampling) -> list[Completion]``) or a sync
+    `InferenceEngine`. An infrastructure failure is retried up to `infra_retries` times; the count of attempts
+    is in ``metadata["attempts"]``.
+    """
+    policy = as_policy(policy)
+    for attempt in range(infra_retries + 1):
+        trajectory = await _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens,
+                                        parser, template_kwargs)
+        trajectory.group_id = group_id
+        trajectory.metadata["attempts"] = attempt + 1
+        if not trajectory.reward.is_infrastructure_failure:
+            break
+        log.warning("episode of task %s: %s (attempt %d)", task.id, trajectory.reward.details.get("error"),
+                    attempt + 1)
+    return trajectory
+
+
+async def rollout_group(policy: Any, task: Task, tokenizer: Any, sampling: SamplingParams, n: int,
+                        sandbox: Any = None, **kwargs: Any) -> list[Trajectory]:
+    """`n` concurrent episodes of one task sharing a ``group_id`` (a seeded `sampling` gets seed + i)."""
+    policy = as_policy(policy)
+    group_id = kwargs.pop("group_id", None) or f"{task.id}#{time.monotonic_ns()}"
+    episodes = [
+        rollout_episode(policy, task, tokenizer, _member_sampling(sampling, i), sandbox, group_id=group_id, **kwargs)
+        for i in range(n)
+    ]
+    return list(await asyncio.gather(*episodes))
+
+
+async def rollout_many(policy: Any, tasks: Sequence[Task], tokenizer: Any, sampling: SamplingParams, n: int = 1,
+                       sandbox: Any = None, max_concurrency: int | None = None, **kwargs: Any) -> list[Trajectory]:
+    """`n` episodes of every task, all in one event loop; results in task order, each group contiguous.
+
+    `max_concurrency` bounds the episodes in flight (default: all at once, the engine batching them).
+    """
+    policy = as_policy(policy)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(task: Task, index: int, group_id: str) -> Trajectory:
+        member = _member_sampling(sampling, index)
+        if limit is None:
+            return await rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id, **kwargs)
+        async with limit:
+            return await rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id, **kwargs)
+
+    stamp = time.monotonic_ns()
+    jobs = [one(task, i, f"{task.id}#{stamp}:{t}") for t, task in enumerate(tasks) for i in range(n)]
+    return list(await asyncio.gather(*jobs))
+
+
+def run_episodes(policy: Any, tasks: Sequence[Task], tokenizer: Any, sampling: SamplingParams, n: int = 1,
+                 **kwargs: Any) -> list[Trajectory]:
+    """`rollout_many` from synchronous code (starts and closes its own event loop)."""
+    return asyncio.run(rollout_many(policy, tasks, tokenizer, sampling, n=n, **kwargs))
+
+
+def rollout_stats(trajectories: Iterable[Trajectory]) -> dict[str, Any]:
+    """Counts a pipeline logs per batch: episodes, infrastructure failures, failure classes, process totals."""
+    trajectories = list(trajectories)
+    failures = Counter(t.reward.failure.value for t in trajectories)
+    return {
+        "episodes": len(trajectories),
+        "infra_failures": sum(t.reward.is_infrastructure_failure for t in trajectories),
+        "passed": sum(t.reward.passed for t in trajectories),
+        "truncated": sum(t.truncated for t in trajectories),
+        "failures": dict(failures),
+        "steps": sum(t.steps for t in trajectories),
+        "tool_calls": sum(t.tool_calls for t in trajectories),
+        "tool_calls_ok": sum(t.tool_calls_ok for t in trajectories),
+        "policy_tokens": sum(t.policy_tokens for t in trajectories),
+        "observation_tokens": sum(t.observation_tokens for t in trajectories),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# One attempt
+# --------------------------------------------------------------------------------------------------
+
+
+async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens, parser, template_kwargs):
+    started = time.monotonic()
+    deadline = started + float(task.timeout_s)
+    episode = _Episode()
+    tokens: TranscriptTokens | None = None
+    failure: _Infra | None = None
+    reward: Reward | None = None
+    try:
+        env = make_environment(task, sandbox=sandbox, **({"parser": parser} if parser is not None else {}))
+        observation = await env.reset(task)
+        tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs)
+        await _loop(policy, env, task, tokens, sampling, episode, deadline, _context_limit(max_context_tokens,
+                                                                                             tokenizer))
+        final_state = {**env.final_state(), "messages": tokens.messages, "trajectory_steps": episode.steps}
+        reward = await _verify(task, final_state)
+    except _Infra as error:
+        failure = error
+    except ToolInfraError as error:
+        failure = _Infra(FailureClass(error.failure) if error.failure in {"sandbox_failure", "infra"}
+                         else FailureClass.SANDBOX, f"tool: {error}")
+    except Exception as error:  # a bug or a crash of the env/verifier: the system's fault, never the model's 0
+        log.exception("episode of task %s crashed", task.id)
+        failure = _Infra(FailureClass.INFRA, f"{type(error).__name__}: {error}")
+    if failure is not None:
+        reward = Reward(score=0.0, passed=False, failure=failure.failure, details={"error": str(failure)})
+    assert reward is not None
+    reward = _classify(reward, episode, task)
+    return _trajectory(task, tokens, reward, episode, time.monotonic() - started)
+
+
+async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_limit):
+    for turn in range(max(1, task.max_steps)):
+        room = context_limit - len(tokens.token_ids) if context_limit else sampling.max_new_tokens
+        if room <= 0:
+            episode.truncated = True
+            return
+        turn_sampling = dataclasses.replace(
+            sampling, n=1, max_new_tokens=min(sampling.max_new_tokens, room),
+            seed=None if sampling.seed is None else sampling.seed + 100_003 * turn,
+        )
+        request = GenerationRequest(prompt_token_ids=list(tokens.token_ids), request_id=f"{task.id}:{turn}")
+        completion = await _bounded(_generate(policy, request, turn_sampling), deadline, episode)
+        if completion is None:
+            return
+        episode.steps += 1
+        episode.finish_reasons.append(completion.finish_reason)
+        text = _strip_end_of_turn(completion.text, tokens.tokenizer)
+        action = Action(text=text, finish_reason=completion.finish_reason)
+        result = await _bounded(env.step(action), deadline, episode)
+        if result is None:
+            # Out of time while the env worked: keep the turn's tokens, recorded as the model wrote them.
+            tokens.add_policy_turn(completion, {"role": "assistant", "content": action.text})
+            return
+        tokens.add_policy_turn(completion, result.info.get("assistant_message")
+                               or {"role": "assistant", "content": action.text})
+        episode.tool_calls += int(result.info.get("tool_calls", 0))
+        episode.tool_calls_ok += int(result.info.get("tool_calls_ok", 0))
+        episode.last_step_failed = bool(result.info.get("failed", False))
+        episode.failed_steps += episode.last_step_failed
+        if "final_answer" in result.info:
+            episode.final_answer = result.info["final_answer"]
+        if action.truncated:
+            episode.truncated = True
+            return
+        if result.done:
+            return
+        tokens.add_observation(result.observation.messages)  # a full context is caught at the next turn
+
+
+async def _generate(policy, request, sampling):
+    try:
+        completions = await policy.generate(request, sampling)
+    except Exception as error:  # (the episode's own deadline cancels this coroutine: CancelledError, not caught)
+        raise _Infra(FailureClass.INFRA, f"engine: {type(error).__name__}: {error}") from error
+    if not completions:
+        raise _Infra(FailureClass.INFRA, "engine returned no completion")
+    return completions[0]
+
+
+async def _bounded(awaitable, deadline, episode):
+    """`awaitable`'s result, or None (and `timed_out`) once the episode's wall time is spent."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        episode.timed_out = True
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        return None
+    try:
+        return await asyncio.wait_for(awaitable, remaining)
+    except asyncio.TimeoutError:
+        if time.monotonic() < deadline - 0.01:  # raised inside the engine or env, not by our deadline
+            raise _Infra(FailureClass.INFRA, "a timeout inside the engine or the environment") from None
+        episode.timed_out = True
+        return None
+
+
+async def _verify(task: Task, final_state: dict[str, Any]) -> Reward:
+    from posttrain.envs.judging import judge
+
+    return await judge(task, final_state)
+
+
+def _classify(reward: Reward, episode: _Episode, task: Task) -> Reward:
+    reward.details.setdefault("steps", episode.steps)
+    step_cost = float(task.env_args.get("step_cost", 0.0) or 0.0)
+    if step_cost:
+        # Same convention as the RL return (`posttrain.rl.returns`): the first step is free.
+        reward.components["step_cost"] = -step_cost * max(0, episode.steps - 1)
+    if reward.is_infrastructure_failure or reward.passed:
+        if reward.passed:
+            reward.failure = FailureClass.NONE
+        return reward
+    failed_tools = episode.tool_calls > episode.tool_calls_ok
+    if episode.truncated:
+        reward.failure = FailureClass.TRUNCATED
+    elif episode.timed_out:
+        reward.failure = FailureClass.TIMEOUT
+    elif failed_tools and (episode.final_answer is None or episode.last_step_failed or not episode.tool_calls_ok):
+        reward.failure = FailureClass.TOOL_ERROR
+    elif reward.failure == FailureClass.NONE:
+        reward.failure = FailureClass.WRONG_ANSWER
+    return reward
+
+
+def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, episode: _Episode,
+                wall_s: float) -> Trajectory:
+    if tokens is None:  # failed before the prompt was tokenized
+        ids, mask, logprobs, versions, prompt_length, messages = [], [], [], [], 0, list(task.messages)
+    else:
+        ids, mask = tokens.token_ids, tokens.loss_mask
+        logprobs, versions = tokens.behaviour_logprobs, tokens.policy_versions
+        prompt_length, messages = tokens.prompt_length, tokens.messages
+    metadata: dict[str, Any] = {
+        "final_answer": episode.final_answer,
+        "timed_out": episode.timed_out,
+        "finish_reasons": episode.finish_reasons,
+        "split": task.metadata.get("split"),
+    }
+    if reward.is_infrastructure_failure:
+        # Belt and braces: a trainer that forgets to mask infrastructure failures still trains on nothing.
+        metadata["policy_tokens_before_masking"] = sum(mask)
+        mask = [0] * len(mask)
+    return Trajectory(
+        task_id=task.id,
+        domain=task.domain,
+        token_ids=list(ids),
+        loss_mask=list(mask),
+        behaviour_logprobs=list(logprobs),
+        policy_versions=list(versions),
+        prompt_length=prompt_length,
+        reward=reward,
+        messages=[dict(m) for m in messages],
+        difficulty=task.difficulty,
+        steps=episode.steps,
+        tool_calls=episode.tool_calls,
+        tool_calls_ok=episode.tool_calls_ok,
+        failed_steps=episode.failed_steps,
+        truncated=episode.truncated,
+        wall_s=wall_s,
+        metadata=metadata,
+    )
+
+
+def _member_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+def _context_limit(max_context_tokens: int | None, tokenizer: Any) -> int | None:
+    if max_context_tokens:
+        return int(max_context_tokens)
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None
+
+
+def _strip_end_of_turn(text: str, tokenizer: Any) -> str:
+    eos = getattr(tokenizer, "eos_token", None)
+    if eos and text.endswith(eos):
+        text = text[: -len(eos)]
+    return text

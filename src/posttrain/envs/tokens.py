@@ -1,0 +1,97 @@
+"""Token in, token out: build a multi-turn sequence from the engine's ids plus chat-template deltas.
+
+The sequence the trainer scores is built by appending, never by re-rendering:
+
+* the prompt: the task's messages rendered by the chat template with the generation prompt, tokenized once;
+* a policy turn: exactly the ids the engine returned (``loss_mask`` 1, with behaviour logprobs and version);
+* an observation: the *text delta* the template adds for the new messages -- render the transcript without and
+  with them (the latter with the next generation prompt), keep the string suffix -- tokenized on its own
+  (``loss_mask`` 0). If the policy's turn stopped short of the template's end of turn (a stop string instead of
+  eos, or a template that writes a newline after eos), the missing closing text is prepended to the delta.
+
+So the policy's text is never tokenized again, and for a prefix-stable template decoding the sequence gives the
+template's rendering of the transcript. A template that rewrites earlier turns when a message is added (so the
+shorter rendering is not a prefix of the longer) cannot be used this way and raises `EnvError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.envs.base import EnvError
+from posttrain.types import Completion, Message
+
+
+class TranscriptTokens:
+    def __init__(self, tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.template_kwargs = dict(template_kwargs or {})
+        self.messages: list[Message] = [dict(m) for m in messages]
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.behaviour_logprobs: list[float] = []
+        self.policy_versions: list[int] = []
+        self._last_turn_ids: list[int] = []
+        self._append(self._encode(self.render(self.messages, generation_prompt=True)))
+        self.prompt_length = len(self.token_ids)
+
+    def render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False,
+            **self.template_kwargs,
+        )
+
+    def add_policy_turn(self, completion: Completion, assistant_message: Message) -> None:
+        """Append the engine's ids verbatim; `assistant_message` is the turn as the transcript records it."""
+        if len(completion.logprobs) != len(completion.token_ids):
+            raise EnvError(
+                f"engine returned {len(completion.token_ids)} tokens but {len(completion.logprobs)} logprobs"
+            )
+        self.token_ids += completion.token_ids
+        self.loss_mask += [1] * len(completion.token_ids)
+        self.behaviour_logprobs += [float(x) for x in completion.logprobs]
+        self.policy_versions += [int(completion.policy_version)] * len(completion.token_ids)
+        self.messages.append(assistant_message)
+        self._last_turn_ids = list(completion.token_ids)
+
+    def add_observation(self, new_messages: list[Message]) -> list[int]:
+        """Append the template's delta for `new_messages` plus the next generation prompt; returns its ids."""
+        before = self.render(self.messages, generation_prompt=False)
+        after = self.render(self.messages + new_messages, generation_prompt=True)
+        if not after.startswith(before):
+            raise EnvError(
+                "the chat template is not prefix-stable: rendering the conversation with a new message changes "
+                "earlier turns, so observations cannot be appended as token deltas"
+            )
+        ids = self._encode(self._turn_closure() + after[len(before):])
+        self._append(ids)
+        self.messages += [dict(m) for m in new_messages]
+        return ids
+
+    def _turn_closure(self) -> str:
+        """Text the template puts after the last assistant turn's content that the policy did not produce."""
+        head = self.render(self.messages[:-1], generation_prompt=True)
+        full = self.render(self.messages, generation_prompt=False)
+        turn = full[len(head):] if full.startswith(head) else ""
+        produced = self.tokenizer.decode(self._last_turn_ids, skip_special_tokens=False)
+        if produced and turn.startswith(produced):
+            return turn[len(produced):]
+        # The policy wrote the turn differently from the template (e.g. other JSON spacing): close it after the
+        # template's end-of-turn token, adding that token only if the policy did not emit it.
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if not eos or eos not in turn:
+            return ""
+        tail = turn[turn.rfind(eos):]
+        ended = bool(self._last_turn_ids) and self._last_turn_ids[-1] == self.tokenizer.eos_token_id
+        return tail[len(eos):] if ended else tail
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _append(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.behaviour_logprobs += [0.0] * len(ids)
+        self.policy_versions += [-1] * len(ids)

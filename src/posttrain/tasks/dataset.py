@@ -1,0 +1,188 @@
+"""A dataset of problems with reference answers (GSM8K / MATH style) as a task domain.
+
+    get_domain("dataset", path="gsm8k_test.jsonl", answer_format="gsm8k", domain_name="gsm8k")
+    get_domain("dataset", path="math_saved/", question_field="problem", answer_field="solution",
+               answer_format="boxed", level_field="level")
+
+`path` is a JSONL file (one object a line), a Parquet file, or a directory written by
+``datasets.Dataset.save_to_disk``, read by `posttrain.data.read_records`.
+Field names are configurable; `answer_format` says how to read the reference from the answer field:
+``plain`` (the field is the answer), ``gsm8k`` (the text after ``####``; the text before it is the worked
+solution) or ``boxed`` (the last ``\\boxed{...}`` of a worked solution). A ``level_field`` (an integer or
+"Level 3") gives the difficulty levels, otherwise every problem is level 1. A problem's identity (its split key)
+is its question text. Judged by ``math``; the demonstration ends with ``\\boxed{answer}`` and carries the worked
+solution, when the record has one, as its reasoning trace.
+
+A bad file is a `TaskError` naming the file, the line (or row) and the field: ``gsm8k.jsonl:17: field
+'question' missing (did you mean 'questoin'?)``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from posttrain.data import DataError, SFTSample
+from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id
+from posttrain.types import Task
+
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
+DEFAULT_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
+
+
+@domain("dataset")
+class DatasetDomain:
+    def __init__(
+        self,
+        path: str,
+        domain_name: str = "dataset",
+        question_field: str = "question",
+        answer_field: str = "answer",
+        answer_format: str = "plain",
+        solution_field: str | None = None,
+        level_field: str | None = None,
+        id_field: str | None = None,
+        instruction: str | None = DEFAULT_INSTRUCTION,
+        system_prompt: str | None = None,
+        verifier: str = "math",
+    ):
+        if answer_format not in ANSWER_FORMATS:
+            raise TaskError(f"dataset: answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+        self.name = domain_name
+        self.path = path
+        self.fields = {"question": question_field, "answer": answer_field}
+        self.answer_format = answer_format
+        self.solution_field = solution_field
+        self.level_field = level_field
+        self.id_field = id_field
+        self.instruction = instruction
+        self.system_prompt = system_prompt
+        self.verifier = verifier
+        self.by_level: dict[int, list[Task]] = {}
+        for task in self._read():
+            self.by_level.setdefault(task.difficulty, []).append(task)
+        if not self.by_level:
+            raise TaskError(f"{path}: no records")
+        self.max_level = max(self.by_level)
+
+    def make_task(self, rng: random.Random, level: int) -> Task:
+        pool = self.by_level.get(level)
+        if not pool:
+            raise TaskError(f"{self.path}: no problems at level {level} (levels: {sorted(self.by_level)})")
+        task = rng.choice(pool)
+        return Task.from_dict(json.loads(json.dumps(task.to_dict())))  # callers may mutate their copy
+
+    def tasks(self, split: str | None = None, heldout_fraction: float = 0.1) -> list[Task]:
+        """Every problem of the file (of one split, if given), in file order: what an evaluation suite runs."""
+        every = sorted((t for pool in self.by_level.values() for t in pool), key=lambda t: t.metadata["row"])
+        if split is None:
+            return every
+        return [t for t in every if split_of(t.metadata["problem_key"], heldout_fraction) == split]
+
+    def demonstration(self, task: Task) -> SFTSample:
+        answer = task.verifier_args["reference"]
+        return demo_sample(task, f"The answer is \\boxed{{{answer}}}.", task.metadata.get("solution"),
+                           source=self.path)
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _read(self) -> Iterator[Task]:
+        for where, row, record in _records(self.path):
+            yield self._task(where, row, record)
+
+    def _task(self, where: str, row: int, record: Any) -> Task:
+        if not isinstance(record, dict):
+            raise TaskError(f"{where}: expected an object, got {type(record).__name__}")
+        question = self._text(where, record, self.fields["question"])
+        raw_answer = self._text(where, record, self.fields["answer"])
+        reference, solution = self._reference(where, raw_answer)
+        if self.solution_field:
+            solution = self._text(where, record, self.solution_field)
+        level = self._level(where, record)
+        content = f"{question}\n{self.instruction}" if self.instruction else question
+        messages = [{"role": "user", "content": content}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        key = str(record[self.id_field]) if self.id_field and self.id_field in record else question
+        return Task(
+            id=task_id(self.name, key),
+            domain=self.name,
+            difficulty=level,
+            messages=messages,
+            verifier=self.verifier,
+            verifier_args={"reference": reference},
+            max_steps=1,
+            timeout_s=60.0,
+            metadata={"problem_key": question, "row": row, "source": where, "solution": solution},
+        )
+
+    def _text(self, where: str, record: dict, field: str) -> str:
+        if field not in record:
+            close = difflib.get_close_matches(field, list(record), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise TaskError(f"{where}: field '{field}' missing{hint}; fields present: {', '.join(record)}")
+        value = record[field]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or not value.strip():
+            raise TaskError(f"{where}: field '{field}' must be a non-empty string, got {value!r:.80}")
+        return value.strip()
+
+    def _reference(self, where: str, raw: str) -> tuple[str, str | None]:
+        """The reference answer and, where the field holds a worked solution, that solution."""
+        field = self.fields["answer"]
+        if self.answer_format == "plain":
+            return raw, None
+        if self.answer_format == "gsm8k":
+            if "####" not in raw:
+                raise TaskError(f"{where}: field '{field}' has no '#### <answer>' line (answer_format gsm8k)")
+            solution, answer = raw.rsplit("####", 1)
+            solution = re.sub(r"<<[^>]*>>", "", solution).strip()  # GSM8K's calculator annotations
+            return answer.strip().replace(",", ""), solution or None
+        boxed = last_boxed(raw)
+        if boxed is None:
+            raise TaskError(f"{where}: field '{field}' has no \\boxed{{...}} answer (answer_format boxed)")
+        return boxed, raw
+
+    def _level(self, where: str, record: dict) -> int:
+        if not self.level_field:
+            return 1
+        if self.level_field not in record:
+            raise TaskError(f"{where}: field '{self.level_field}' missing; fields present: {', '.join(record)}")
+        match = re.search(r"\d+", str(record[self.level_field]))
+        if not match or int(match.group()) < 1:
+            raise TaskError(f"{where}: field '{self.level_field}' must hold a level >= 1, "
+                            f"got {record[self.level_field]!r}")
+        return int(match.group())
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    position = text.index("{", start) + 1
+    depth, begin = 1, position
+    while position < len(text):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[begin:position].strip()
+        position += 1
+    return None
+
+
+def _records(path: str) -> Iterator[tuple[str, int, Any]]:
+    """(where, row, record) for a JSONL file or a saved Hugging Face dataset directory (`posttrain.data`'s reader)."""
+    from posttrain.data import read_records  # the data room's reader (JSONL, Parquet, saved datasets)
+
+    source = Path(path)
+    kind = "hf_disk" if source.is_dir() else "parquet" if source.suffix == ".parquet" else "jsonl"
+    try:
+        for location, record in read_records(path, format=kind):
+            yield f"{path}:{location}", int(str(location).removeprefix("row ")), record
+    except DataError as error:
+        raise TaskError(str(error)) from None
