@@ -138,6 +138,7 @@ class RunResult:
     refused_files: dict[str, str] = field(default_factory=dict)
     error: str = ""  # for infra_error: what went wrong
     backend: str = ""
+    trace: dict[str, float] = field(default_factory=dict)  # ms from the run's start to each phase, if asked
 
     @property
     def stdout(self) -> str:

@@ -45,6 +45,7 @@ class RunRequest:
     stdin: bytes = b""
     collect: list[str] = field(default_factory=list)  # glob patterns relative to the work dir
     env: dict[str, str] = field(default_factory=dict)
+    trace: bool = False  # ask the launcher for per-phase timings (RunResult.trace)
 
     @classmethod
     def build(
@@ -57,6 +58,7 @@ class RunRequest:
         timeout_s: float | None = None,
         collect: Sequence[str] | bool | None = None,
         env: Mapping[str, str] | None = None,
+        trace: bool = False,
     ) -> RunRequest:
         if isinstance(cmd, str):
             raise SandboxError("cmd must be a list of arguments (no shell): e.g. ['python3', 'main.py']")
@@ -84,7 +86,7 @@ class RunRequest:
             environment[key] = str(value)
         return cls(argv=argv, limits=limits, jail=jail, timeout_s=timeout, files=checked_files,
                    stdin=_as_bytes(stdin, "stdin") if stdin is not None else b"", collect=patterns,
-                   env=environment)
+                   env=environment, trace=bool(trace))
 
     def to_wire(self) -> dict:
         return {
@@ -96,6 +98,7 @@ class RunRequest:
             "timeout_s": self.timeout_s,
             "collect": self.collect,
             "env": self.env,
+            "trace": self.trace,
         }
 
 

@@ -62,10 +62,11 @@ class Sandbox:
         collect: Sequence[str] | bool | None = None,
         env: Mapping[str, str] | None = None,
         limits: Limits | None = None,
+        trace: bool = False,
     ) -> RunRequest:
         self.jail.warn_if_weakened()
         return RunRequest.build(cmd, limits or self.limits, self.jail, files=files, stdin=stdin,
-                                timeout_s=timeout_s, collect=collect, env=env)
+                                timeout_s=timeout_s, collect=collect, env=env, trace=trace)
 
     def python_request(self, code: str, *, files: Mapping[str, FileContent] | None = None,
                        args: Sequence[str] = (), script: str = "main.py", **options) -> RunRequest:

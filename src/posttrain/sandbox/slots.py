@@ -62,6 +62,7 @@ def _result_from_reply(reply: dict, backend: str) -> RunResult:
         refused_files=dict(reply.get("refused", {})),
         error=reply.get("error", ""),
         backend=backend,
+        trace=dict(reply.get("trace", {})),
     )
 
 

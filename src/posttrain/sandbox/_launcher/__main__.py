@@ -19,6 +19,7 @@ import runner
 import seccomp
 import syscalls
 import wire
+from slot import Slot
 
 
 def _claim_uid(base: int, span: int) -> tuple[int, socket.socket]:
@@ -34,7 +35,7 @@ def _claim_uid(base: int, span: int) -> tuple[int, socket.socket]:
     raise RuntimeError(f"all {span} sandbox uids from {base} are held by other launchers")
 
 
-def _start(config: dict) -> tuple[runner.Slot, object]:
+def _start(config: dict) -> tuple[Slot, object]:
     as_root = os.geteuid() == 0
     holder = None
     if as_root:
@@ -60,12 +61,14 @@ def _start(config: dict) -> tuple[runner.Slot, object]:
             pass
         slot_cgroups.join()
     filters = {allow: seccomp.build(allow_namespaces=allow) for allow in (False, True)}
-    slot = runner.Slot(uid, gid, as_root, mount_point, config["bwrap"], slot_cgroups, filters)
+    slot = Slot(uid, gid, as_root, mount_point, config["bwrap"], slot_cgroups, filters)
+    slot.prepare_staging()
+    slot.enter_own_network_namespace()
     return slot, holder
 
 
-def _cleanup(slot: runner.Slot) -> None:
-    slot.unstage_all()
+def _cleanup(slot: Slot) -> None:
+    slot.remove_staging()
     if slot.cgroups is not None:
         slot.cgroups.remove()
     try:

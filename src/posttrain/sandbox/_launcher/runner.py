@@ -24,60 +24,12 @@ import stat
 import time
 
 import jail as jail_args
+import syscalls
 import wire
+from slot import Slot
 
 _EXEC_FAILED = 127
 _GRACE_S = 2.0  # how long output may keep flowing after bubblewrap exits before the cgroup is emptied by force
-
-
-class Slot:
-    """Everything about this launcher that outlives one run."""
-
-    def __init__(self, uid: int, gid: int, as_root: bool, mount_point: str, bwrap: str, cgroups, seccomp):
-        self.uid = uid
-        self.gid = gid
-        self.as_root = as_root
-        self.mount_point = mount_point
-        self.bwrap = bwrap
-        self.cgroups = cgroups
-        self.seccomp = seccomp  # {allow_namespaces: filter bytes or None}
-        self.staged: dict[str, str] = {}  # read-only path -> where it is bind-mounted for bubblewrap
-
-    def stage(self, path: str) -> str:
-        """Bind-mount `path` (once per launcher) under a directory the slot's uid can traverse, so bubblewrap -
-        running as that uid - can bind it even when the way to the original is closed to it (e.g. /root)."""
-        import syscalls
-
-        if path not in self.staged:
-            base = self.mount_point + "-ro"
-            if not os.path.isdir(base):
-                os.mkdir(base, 0o711)
-            target = os.path.join(base, str(len(self.staged)))
-            if os.path.isdir(path):
-                os.mkdir(target, 0o700)
-            else:
-                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            try:
-                syscalls.mount(path, target, None, syscalls.MS_BIND | syscalls.MS_REC)
-            except OSError:
-                (os.rmdir if os.path.isdir(target) else os.unlink)(target)
-                raise
-            self.staged[path] = target
-        return self.staged[path]
-
-    def unstage_all(self) -> None:
-        import syscalls
-
-        for target in self.staged.values():
-            for undo in (syscalls.umount, os.rmdir if os.path.isdir(target) else os.unlink):
-                try:
-                    undo(target)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(self.mount_point + "-ro")
-        except OSError:
-            pass
 
 
 def _safe_relpath(path: str) -> str:
@@ -119,10 +71,12 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], error_w: int) -> None:
+def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], error_w: int, network: bool) -> None:
     """In the forked child: put fds in place, join cgroups, drop privileges, set limits, exec. Never returns."""
     report_fd = error_w
     try:
+        if network:  # before the fd clean-up below closes the handle on the host's namespace
+            syscalls.setns(slot.host_netns_fd, syscalls.CLONE_NEWNET)
         # first copy every source (and the error pipe) above the targets, so no dup2 clobbers one still needed
         report_fd = os.dup(error_w)  # close-on-exec, like the original
         high = {target: os.dup(source) for target, source in fds.items()}
@@ -134,8 +88,9 @@ def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], e
         os.closerange(keep + 1, 65536)
         for number in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(number, signal.SIG_DFL)  # Python ignores these, and exec would pass that on
-        with open("/proc/self/oom_score_adj", "w") as handle:
-            handle.write("500")  # undo the launcher's -1000: the run is the OOM killer's first choice
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        os.write(fd, b"500")  # the run, not the launcher, is the OOM killer's first choice
+        os.close(fd)
         if slot.as_root:
             os.setgroups([])
             os.setresgid(slot.gid, slot.gid, slot.gid)
@@ -164,7 +119,8 @@ class _Supervision:
     """Output, deadline and exit of one jail, watched from the launcher with poll()."""
 
     def __init__(self, pid: int, out_r: int, err_r: int, info_r: int, control_fd: int, limits: dict,
-                 timeout_s: float, cgroups):
+                 timeout_s: float, cgroups, marks: dict):
+        self.marks = marks
         self.pid = pid
         self.limits = limits
         self.cgroups = cgroups
@@ -199,6 +155,7 @@ class _Supervision:
         if not chunk:
             return False
         if fd == self.info_r:
+            self.marks.setdefault("jail_ready", time.perf_counter())
             self.info += chunk[:4096]
             return True
         buffer = self.streams[fd]
@@ -233,6 +190,7 @@ class _Supervision:
                 if fd == self.pidfd:
                     _, self.wait_status = os.waitpid(self.pid, 0)
                     self.exited_at = time.monotonic()
+                    self.marks["exited"] = time.perf_counter()
                     poller.unregister(self.pidfd)
                 elif fd == self.control_fd:
                     self._kill("parent")  # the trainer went away mid-run: stop the jail and exit
@@ -321,20 +279,27 @@ def _status(sup: _Supervision, oom: bool, cpu_s: float, limits: dict) -> tuple[s
 
 
 def run(slot: Slot, request: dict, control_fd: int) -> dict:
+    """One request, start to finish. With ``request["trace"]`` the reply carries ``trace``: milliseconds from
+    the start of the run to each phase, for finding where the time goes (bench/sandbox.py prints them)."""
     limits, jail = request["limits"], request["jail"]
+    marks = {"start": time.perf_counter()}
     root = slot.mount_point
     workdir_mb = int(limits["workdir_mb"])
     slot_opts = f"size={workdir_mb}m,nr_inodes={max(4096, workdir_mb * 256)},mode=0700,uid={slot.uid},gid={slot.gid}"
-    import syscalls
-
     syscalls.mount("posttrain-sandbox", root, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, slot_opts)
+    marks["mounted"] = time.perf_counter()
     try:
-        return _run_mounted(slot, request, limits, jail, root, control_fd)
+        response = _run_mounted(slot, request, limits, jail, root, control_fd, marks)
     finally:
         syscalls.umount(root)
+    marks["unmounted"] = time.perf_counter()
+    if request.get("trace"):
+        response["trace"] = {name: round((t - marks["start"]) * 1000, 3) for name, t in marks.items()}
+    return response
 
 
-def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str, control_fd: int) -> dict:
+def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str, control_fd: int,
+                 marks: dict) -> dict:
     try:
         _write_files(slot, root, request.get("files", {}))
     except (OSError, ValueError) as error:
@@ -345,7 +310,7 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
     except OSError as error:
         return {"status": "infra_error", "error": f"could not expose a read-only path: {error}"}
     argv = jail_args.bwrap_argv(slot.bwrap, root, request["argv"], limits, jail, request.get("env", {}),
-                                seccomp is not None, staged)
+                                seccomp is not None, slot.etc_dir, slot.dev_dir, staged)
     if slot.cgroups is not None:
         slot.cgroups.set_limits(int(limits["memory_mb"]) << 20, int(limits["processes"]) + 2)
     oom_before = slot.cgroups.oom_kills() if slot.cgroups is not None else 0
@@ -362,10 +327,11 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
     if seccomp_fd is not None:
         child_fds[jail_args.SECCOMP_FD] = seccomp_fd
 
+    marks["prepared"] = time.perf_counter()
     started = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _exec_jail(slot, argv, limits, child_fds, error_w)
+        _exec_jail(slot, argv, limits, child_fds, error_w, bool(jail.get("network")))
     for fd in (stdin_fd, out_w, err_w, info_w, error_w) + ((seccomp_fd,) if seccomp_fd is not None else ()):
         os.close(fd)
     exec_error = b""
@@ -375,12 +341,15 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
             break
         exec_error += chunk
     os.close(error_r)
-    sup = _Supervision(pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups)
+    marks["exec"] = time.perf_counter()
+    sup = _Supervision(pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups,
+                       marks)
     sup.watch()
     duration = (sup.exited_at or time.monotonic()) - started
     for fd in (out_r, err_r, info_r):
         os.close(fd)
     clean = _reap_all(slot.cgroups)
+    marks["reaped"] = time.perf_counter()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
     oom = slot.cgroups is not None and slot.cgroups.oom_kills() > oom_before
@@ -401,4 +370,5 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
     }
     if request.get("collect") and status != "infra_error":
         response["files"], response["refused"] = _collect(root, request["collect"], int(limits["collect_bytes"]))
+    marks["collected"] = time.perf_counter()
     return response
