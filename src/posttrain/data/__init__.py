@@ -1,5 +1,93 @@
-"""Data: SFT samples (chat + metadata), readers, mixing, dedup, decontamination, tokenization, packing."""
+"""Data: SFT samples (chat + metadata), readers, mixing, dedup, decontamination, tokenization, packing.
 
+    from posttrain.data import prepare_sft_data, collate, model_inputs
+    prepared = prepare_sft_data(recipe.data, tokenizer, seed=0, rejects_dir="runs/sft")
+    batch = collate(prepared.epoch_rows(0)[:32], tokenizer.pad_token_id)
+    loss = model(**model_inputs(batch)).loss
+
+See docs/data.md for the record format and every knob.
+"""
+
+from posttrain.data.attention import segments_from_positions, varlen_attention_forward, varlen_mask
+from posttrain.data.decontaminate import (
+    DecontaminationResult,
+    EvalItem,
+    NgramIndex,
+    decontaminate,
+    ngram_hashes,
+    prompt_key,
+    read_eval_items,
+)
+from posttrain.data.dedup import DedupResult, conversation_text, deduplicate, normalize_text
+from posttrain.data.mixing import GroupShare, MixResult, group_name, mix, mixture_table
+from posttrain.data.packing import (
+    IGNORE_INDEX,
+    Row,
+    block_causal_mask,
+    build_epoch,
+    collate,
+    cu_seq_lens,
+    model_inputs,
+)
+from posttrain.data.pipeline import PreparedSFTData, prepare_sft_data, read_all_texts
+from posttrain.data.readers import RejectLog, read_jsonl_records, read_records, read_samples, resolve_format
 from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, validate_record
+from posttrain.data.split import prompt_fraction, split_by_hash
+from posttrain.data.tokenize import (
+    TokenizedSample,
+    TokenizeResult,
+    assistant_spans,
+    conversation_for_training,
+    tokenize_sample,
+    tokenize_samples,
+)
 
-__all__ = ["DataError", "RecordError", "SFTSample", "SampleMetadata", "validate_record"]
+__all__ = [
+    "IGNORE_INDEX",
+    "DataError",
+    "DecontaminationResult",
+    "DedupResult",
+    "EvalItem",
+    "GroupShare",
+    "MixResult",
+    "NgramIndex",
+    "PreparedSFTData",
+    "RecordError",
+    "RejectLog",
+    "Row",
+    "SFTSample",
+    "SampleMetadata",
+    "TokenizeResult",
+    "TokenizedSample",
+    "assistant_spans",
+    "block_causal_mask",
+    "build_epoch",
+    "collate",
+    "conversation_for_training",
+    "conversation_text",
+    "cu_seq_lens",
+    "decontaminate",
+    "deduplicate",
+    "group_name",
+    "mix",
+    "mixture_table",
+    "model_inputs",
+    "ngram_hashes",
+    "normalize_text",
+    "prepare_sft_data",
+    "prompt_fraction",
+    "prompt_key",
+    "read_all_texts",
+    "read_eval_items",
+    "read_jsonl_records",
+    "read_records",
+    "read_samples",
+    "resolve_format",
+    "segments_from_positions",
+    "split_by_hash",
+    "tokenize_sample",
+    "tokenize_samples",
+    "validate_record",
+    "varlen_attention_forward",
+    "varlen_mask",
+]
