@@ -36,7 +36,9 @@ class ModelConfig(Section):
     tokenizer_path: str | None = None  # defaults to `path`, or the built-in tokenizer
     chat_template: str | None = None  # a Jinja template (or a file holding one) to use instead
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # how parameters are stored
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # "auto": posttrain's variable-length attention on CPU (packed samples cost only their own scores),
+    # sdpa elsewhere; or any implementation transformers knows (eager, sdpa, flash_attention_2 ...).
+    attn_implementation: str = "auto"
     lora: LoraConfig = LoraConfig()
     seed: int = 0  # initialisation of the built-in model
 

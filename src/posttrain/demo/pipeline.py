@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from posttrain.config import DataSource
 from posttrain.config.demo import DemoRecipe
-from posttrain.tracking import console
+from posttrain.tracking import console, say
 
 SUMMARY = "summary.json"
 
@@ -68,7 +68,7 @@ def run_demo(recipe: DemoRecipe, *, resume: bool = False) -> dict[str, Any]:
     root = Path(recipe.output_dir)
     if not resume and root.exists():
         # The demo regenerates everything it writes; a fresh run must not resume a stale checkpoint.
-        console.print(f"[demo] starting fresh: clearing {root} (use --resume to continue it instead)")
+        say(f"[demo] starting fresh: clearing {root} (use --resume to continue it instead)")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     run = DemoRun(recipe, root)
@@ -80,7 +80,7 @@ def run_demo(recipe: DemoRecipe, *, resume: bool = False) -> dict[str, Any]:
 
             raise PosttrainError(f"demo: unknown stage '{name}' (known: {', '.join(STAGES)})")
         if resume and name in run.summary["stages"]:
-            console.print(f"[demo] {name}: done before, skipped")
+            say(f"[demo] {name}: done before, skipped")
             continue
         console.rule(f"[bold]demo: {name}")
         started = time.perf_counter()
@@ -88,7 +88,7 @@ def run_demo(recipe: DemoRecipe, *, resume: bool = False) -> dict[str, Any]:
         figures.setdefault("seconds", round(time.perf_counter() - started, 1))
         run.record(name, figures)
     print_summary(run.summary)
-    console.print(f"[demo] summary: {root / SUMMARY}")
+    say(f"[demo] summary: {root / SUMMARY}")
     return run.summary
 
 

@@ -90,15 +90,40 @@ def load_model(
             AutoConfig.from_pretrained(config.path)
         except (OSError, ValueError) as error:
             raise ModelError(f"{config.path}: not a Hugging Face model directory ({error})") from None
-        model = AutoModelForCausalLM.from_pretrained(
-            config.path, dtype=dtype, attn_implementation=config.attn_implementation
-        )
+        model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(
             f"model.path: the model has {model.get_input_embeddings().num_embeddings} embeddings but the "
             f"tokenizer has {len(tokenizer)} tokens; use the tokenizer the model was trained with"
         )
+    set_attention(model, config.attn_implementation, torch.device(device))
     return model.to(device)
+
+
+VARLEN = "posttrain_varlen"
+
+
+def set_attention(model: PreTrainedModel, choice: str, device: torch.device) -> None:
+    """Select the attention implementation; "auto" picks the variable-length kernel on CPU (see
+    `posttrain.data.attention`: ~1.7x the tokens/s of sdpa on packed rows here) and sdpa elsewhere."""
+    if choice == "auto":
+        choice = VARLEN if device.type == "cpu" else "sdpa"
+    if choice == VARLEN:
+        _register_varlen()
+    try:
+        model.set_attn_implementation(choice)
+    except (ValueError, ImportError) as error:
+        raise ModelError(f"model.attn_implementation: '{choice}' is not usable with this model ({error})") from None
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    from posttrain.data.attention import varlen_attention_forward
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
 
 
 def _require_dir(location: str, key: str) -> None:

@@ -46,7 +46,7 @@ from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.rl.step import rl_update
 from posttrain.schedule import StaticMixture, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
-from posttrain.tracking import Tracker, console
+from posttrain.tracking import Tracker, say
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.step import Runtime, prepare_model, setup_runtime
@@ -107,7 +107,7 @@ def run_rl(
         cursor = _Cursor(**state["cursor"])
         pending = [RolloutBatch.from_dict(b) for b in state["pending"]]
         restore_rng(state["rng"])
-        console.print(f"[rl] resumed from {checkpoint} at step {cursor.step}")
+        say(f"[rl] resumed from {checkpoint} at step {cursor.step}")
     engine.update_weights(engine_state(model), cursor.step)
 
     tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="rl")
@@ -118,7 +118,7 @@ def run_rl(
                                        max_new_tokens=recipe.rollout.sampling.max_new_tokens,
                                        tolerance=recipe.pipeline.self_test_tolerance, seed=recipe.runtime.seed)
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
-        console.print(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
+        say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
     produce = _Producer(engine, sampler, tokenizer, recipe)
     pipeline = RolloutPipeline(
@@ -134,7 +134,7 @@ def run_rl(
         tracker.start_progress(recipe.train.max_steps, done=cursor.step)
         while cursor.step < recipe.train.max_steps:
             if recipe.train.max_minutes is not None and cursor.train_seconds >= recipe.train.max_minutes * 60:
-                console.print(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
+                say(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
                 break
             started = time.perf_counter()
             batch = pipeline.next_batch()

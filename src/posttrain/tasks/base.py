@@ -86,7 +86,11 @@ def sample_tasks(
     unique: bool = True,
     max_tries_per_task: int = 200,
 ) -> list[Task]:
-    """`count` tasks of `split` at `level` (or cycling over several levels), deterministic in `seed`."""
+    """`count` tasks of `split` at `level` (or cycling over several levels), deterministic in `seed`.
+
+    A level that runs out of distinct problems (level 1 of arithmetic has only 100) stops being drawn from
+    once `max_tries_per_task` draws in a row fail, and the other levels fill the rest.
+    """
     if split not in SPLITS:
         raise TaskError(f"split must be one of {SPLITS}, got {split!r}")
     levels = [level] if isinstance(level, int) else list(level)
@@ -96,18 +100,23 @@ def sample_tasks(
     rng = random.Random(f"{source.name}:{split}:{seed}")
     tasks: list[Task] = []
     seen: set[str] = set()
-    tries = 0
+    misses = {lvl: 0 for lvl in levels}
+    turn = 0
     while len(tasks) < count:
-        tries += 1
-        if tries > max_tries_per_task * max(count, 1):
+        open_levels = [lvl for lvl in levels if misses[lvl] < max_tries_per_task]
+        if not open_levels:
             raise TaskError(
                 f"domain '{source.name}': could only draw {len(tasks)} of {count} distinct {split} tasks at "
-                f"levels {levels} (the level has too few problems)"
+                f"levels {levels} (the levels have too few problems)"
             )
-        task = source.make_task(rng, levels[len(tasks) % len(levels)])
+        lvl = open_levels[turn % len(open_levels)]
+        task = source.make_task(rng, lvl)
         key = task.metadata["problem_key"]
         if split_of(key, heldout_fraction) != split or (unique and key in seen):
+            misses[lvl] += 1
             continue
+        misses[lvl] = 0
+        turn += 1
         seen.add(key)
         task.metadata["split"] = split
         tasks.append(task)

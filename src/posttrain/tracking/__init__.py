@@ -9,7 +9,7 @@ from posttrain.tracking.sinks import (
     WandbSink,
     read_metrics,
 )
-from posttrain.tracking.tracker import Tracker, console
+from posttrain.tracking.tracker import Tracker, console, say
 
 __all__ = [
     "JSONLSink",
@@ -21,4 +21,5 @@ __all__ = [
     "WandbSink",
     "console",
     "read_metrics",
+    "say",
 ]

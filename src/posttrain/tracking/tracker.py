@@ -68,10 +68,15 @@ class Tracker:
             self._progress.update(self._task, completed=step, status=status)
         elif time.monotonic() - self._last_line > 10:
             self._last_line = time.monotonic()
-            console.print(f"[{self.stage}] step {step} {status}", highlight=False)
+            say(f"[{self.stage}] step {step} {status}")
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
         for sink in self.sinks:
             sink.close()
+
+
+def say(message: str) -> None:
+    """Print a status line to stderr as is (no rich markup: "[sft]" prefixes are text, not styles)."""
+    console.print(message, markup=False, highlight=False)

@@ -8,6 +8,8 @@ upcast to fp32 before any softmax: bf16 logits lose the small differences that l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -30,18 +32,22 @@ def selected_logits(
     *,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    **model_kwargs: Any,
 ) -> torch.Tensor:
     """fp32 logits predicting token t+1 from position t, for every (b, t) where `select[b, t]` ([B, T-1]).
 
-    Returns [N, vocab] in the row-major order of `select`'s True entries.
+    Returns [N, vocab] in the row-major order of `select`'s True entries. `model_kwargs` go to the decoder
+    (e.g. the `cu_seq_lens_*` of a packed batch for variable-length attention).
     """
     parts = split_head(model)
     if parts is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       **model_kwargs).logits
         return logits[:, :-1][select].float()
     decoder, head = parts
+    model_kwargs.setdefault("use_cache", False)
     hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs
     ).last_hidden_state
     return head(hidden[:, :-1][select]).float()
 

@@ -7,22 +7,21 @@ that of one big batch (a per-micro-batch mean would weight short micro-batches u
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from posttrain.data import model_inputs
 from posttrain.train.forward import selected_logits
 
 
-def sft_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the trained tokens of `batch` (HF labels, -100 = not trained) and their count."""
-    labels = batch["labels"]
+def sft_loss_sum(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the trained tokens of a collated batch (`posttrain.data.collate`: HF labels,
+    -100 = not trained; packed rows keep each sample to itself) and the number of those tokens."""
+    inputs = model_inputs(batch)
+    labels = inputs.pop("labels")
     select = labels[:, 1:] != -100
-    logits = selected_logits(
-        model,
-        batch["input_ids"],
-        select,
-        attention_mask=batch.get("attention_mask"),
-        position_ids=batch.get("position_ids"),
-    )
+    logits = selected_logits(model, inputs.pop("input_ids"), select, **inputs)
     targets = labels[:, 1:][select]
     return F.cross_entropy(logits, targets, reduction="sum"), int(targets.numel())

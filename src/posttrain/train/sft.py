@@ -10,6 +10,7 @@ the cursor (epoch, row), plus optimizer, schedule and RNG states.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import SFTRecipe, dump_recipe
-from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_texts
+from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_samples
 from posttrain.models import (
     count_parameters,
     latest_checkpoint,
@@ -30,7 +31,7 @@ from posttrain.models import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.tracking import Tracker, console
+from posttrain.tracking import Tracker, say
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
@@ -71,7 +72,7 @@ def run_sft(
     runtime = setup_runtime(recipe.runtime)
 
     # Model and data. The built-in tokenizer (no model.path) is trained on the run's own text.
-    corpus = read_all_texts(recipe.data) if recipe.model.path is None and not recipe.model.tokenizer_path else None
+    corpus = _corpus(recipe) if recipe.model.path is None and not recipe.model.tokenizer_path else None
     tokenizer = load_tokenizer(recipe.model, corpus=corpus)
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=output_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
@@ -92,21 +93,21 @@ def run_sft(
         scheduler.load_state_dict(state["scheduler"])
         cursor = _Cursor(**state["cursor"])
         restore_rng(state["rng"])
-        console.print(f"[sft] resumed from {checkpoint} at step {cursor.step}")
+        say(f"[sft] resumed from {checkpoint} at step {cursor.step}")
     elif resume:
-        console.print(f"[sft] --resume: no checkpoint in {output_dir}, starting fresh")
+        say(f"[sft] --resume: no checkpoint in {output_dir}, starting fresh")
 
     tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="sft")
     if cursor.step == 0:
         tracker.log({f"data/{k}": v for k, v in _flat(data.report).items()}, step=0)
-    console.print(
+    say(
         f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, {rows_per_epoch} rows/epoch, "
         f"{total_steps} steps, {runtime.precision} on {runtime.device}"
     )
     train_loss = _train_loop(recipe, model, tokenizer, data, optimizer, scheduler, runtime, cursor, total_steps,
                              tracker, on_step, output_dir)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
-                                 recipe.train.batch_size) if data.has_heldout else None
+                                 recipe.train.batch_size) if bool(data.heldout) else None
     if heldout_loss is not None:
         tracker.log({"eval/heldout_loss": heldout_loss}, step=cursor.step)
     _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor)
@@ -135,7 +136,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
     model.train()
     while cursor.step < total_steps:
         if config.max_minutes is not None and cursor.train_seconds >= config.max_minutes * 60:
-            console.print(f"[sft] time budget of {config.max_minutes} min reached at step {cursor.step}")
+            say(f"[sft] time budget of {config.max_minutes} min reached at step {cursor.step}")
             break
         if cursor.row >= len(rows):
             cursor.epoch, cursor.row = cursor.epoch + 1, 0
@@ -143,7 +144,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
         step_rows = rows[cursor.row : cursor.row + config.batch_size]
         started = time.perf_counter()
         batches = [
-            collate(step_rows[start : start + micro], tokenizer.pad_token_id, device=runtime.device)
+            _to(collate(step_rows[start : start + micro], tokenizer.pad_token_id), runtime.device)
             for start in range(0, len(step_rows), micro)
         ]
         trained_tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
@@ -153,7 +154,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
                 summed, _ = sft_loss_sum(model, batch)
             (summed / max(trained_tokens, 1)).backward()
             loss_sum += float(summed.detach())
-            input_tokens += int(batch["num_tokens"])
+            input_tokens += int((batch["document_ids"] >= 0).sum())
         grad_norm = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
         cursor.train_seconds += time.perf_counter() - started
         cursor.step += 1
@@ -177,13 +178,12 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"loss {metrics['train/loss']:.4f} {metrics['train/tokens_per_s']:,.0f} tok/s")
             window_loss, window_tokens, window_trained, window_start = 0.0, 0, 0, time.perf_counter()
-        if config.eval_every and cursor.step % config.eval_every == 0 and data.has_heldout:
+        if config.eval_every and cursor.step % config.eval_every == 0 and bool(data.heldout):
             loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime, config.batch_size)
             tracker.log({"eval/heldout_loss": loss}, step=cursor.step)
             model.train()
         if config.save_every and cursor.step % config.save_every == 0 and cursor.step < total_steps:
             _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor)
-    tracker.close()
     return last_loss
 
 
@@ -193,7 +193,7 @@ def evaluate_loss(model, rows, pad_id: int, runtime: Runtime, batch_size: int) -
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start : start + batch_size], pad_id, device=runtime.device)
+        batch = _to(collate(rows[start : start + batch_size], pad_id), runtime.device)
         with runtime.autocast():
             summed, n = sft_loss_sum(model, batch)
         total += float(summed)
@@ -220,3 +220,19 @@ def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         elif isinstance(value, (int, float)):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def _corpus(recipe: SFTRecipe) -> list[str]:
+    """The text the built-in tokenizer is trained on: every message and reasoning trace of the train data.
+    (Rejects are counted and written later, by `prepare_sft_data`; here they are only skipped.)"""
+    texts = []
+    for source in recipe.data.train:
+        rejects = None if recipe.data.on_invalid == "error" else os.devnull
+        for sample in read_samples(source, recipe.data.on_invalid, rejects):
+            texts += [m.get("content") or "" for m in sample.messages]
+            texts.append(sample.metadata.reasoning_trace or "")
+    return texts
