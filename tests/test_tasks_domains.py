@@ -169,3 +169,57 @@ def test_long_doc_qa_needs_several_pages():
 def test_every_domain_is_registered():
     assert {"arithmetic", "extraction", "calculator", "code", "repo_fix", "long_doc_qa", "dataset",
             "reasoning_gym"} <= set(DOMAINS)
+
+
+def _episode(tokenizer, task: Task, text: str, **kwargs):
+    engine = ScriptedEngine(tokenizer, [text + "<|end|>"])
+    sampling = SamplingParams(max_new_tokens=kwargs.pop("max_new_tokens", 2048))
+    return asyncio.run(rollout_episode(engine, task, tokenizer, sampling, max_context_tokens=100_000, **kwargs))
+
+
+def test_long_doc_qa_episodes(tiny_tokenizer):
+    source = get_domain("long_doc_qa")
+    task = sample_tasks(source, 1, level=4, seed=9)[0]
+    answer = task.metadata["answer"]
+    assert _episode(tiny_tokenizer, task, f"Summing up: \\boxed{{{answer}}}").reward.passed
+    wrong = _episode(tiny_tokenizer, task, f"\\boxed{{{int(answer) + 1}}}")
+    assert wrong.reward.failure is FailureClass.WRONG_ANSWER
+    hedged = _episode(tiny_tokenizer, task, f"It is \\boxed{{{answer}}} or \\boxed{{{int(answer) + 1}}}")
+    assert not hedged.reward.passed
+    cut = _episode(tiny_tokenizer, task, "Let me add the figures one by one: " * 20, max_new_tokens=30)
+    assert cut.truncated and cut.reward.failure is FailureClass.TRUNCATED
+
+
+def test_calculator_wrong_final_answer_fails(tiny_tokenizer):
+    source = get_domain("calculator")
+    task = sample_tasks(source, 1, level=4, seed=9)[0]
+    sample = source.demonstration(task)
+    turns = demo_turns(tiny_tokenizer, sample.messages)
+    turns[-1] = turns[-1].replace(task.metadata["answer"], str(int(task.metadata["answer"]) + 10))
+    engine = ScriptedEngine(tiny_tokenizer, turns)
+    trajectory = asyncio.run(rollout_episode(engine, task, tiny_tokenizer, SamplingParams(max_new_tokens=256)))
+    assert trajectory.tool_calls_ok == 1 and trajectory.reward.failure is FailureClass.WRONG_ANSWER
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_code_episodes_success_and_failures(tiny_tokenizer):
+    source = get_domain("code", families=["affine"])
+    task = sample_tasks(source, 1, level=1, seed=9)[0]
+    good = _episode(tiny_tokenizer, task, source.demonstration(task).messages[-1]["content"])
+    assert good.reward.passed and good.reward.details["passed"] == 10
+    loops = _episode(tiny_tokenizer, task, "```python\ndef affine(xs):\n    while True:\n        pass\n```")
+    assert loops.reward.score == 0 and loops.reward.failure is FailureClass.TIMEOUT
+    syntax = _episode(tiny_tokenizer, task, "```python\ndef affine(xs) return xs\n```")
+    assert syntax.reward.score == 0 and syntax.reward.failure is FailureClass.WRONG_ANSWER
+    prose = _episode(tiny_tokenizer, task, "I would use a list comprehension.")
+    assert prose.reward.failure is FailureClass.FORMAT
+
+
+def test_dataset_episodes(tiny_tokenizer, tmp_path):
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"question": "What is 6 times 7?", "answer": "#### 42"}) + "\n")
+    task = get_domain("dataset", path=str(path), answer_format="gsm8k").tasks()[0]
+    assert _episode(tiny_tokenizer, task, "6 * 7 = 42, so the answer is \\boxed{42}.").reward.passed
+    assert _episode(tiny_tokenizer, task, "\\boxed{48}").reward.failure is FailureClass.WRONG_ANSWER
+    assert _episode(tiny_tokenizer, task, "no idea").reward.failure is FailureClass.FORMAT

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections import Counter
@@ -42,6 +43,7 @@ from posttrain.envs.tokens import TranscriptTokens
 from posttrain.types import FailureClass, GenerationRequest, Reward, SamplingParams, Task, Trajectory
 
 log = logging.getLogger(__name__)
+_CALLS = itertools.count()  # numbers rollout calls, so group ids are unique in a process and reproducible
 
 
 class _Infra(Exception):
@@ -101,7 +103,7 @@ async def rollout_group(policy: Any, task: Task, tokenizer: Any, sampling: Sampl
                         sandbox: Any = None, **kwargs: Any) -> list[Trajectory]:
     """`n` concurrent episodes of one task sharing a ``group_id`` (a seeded `sampling` gets seed + i)."""
     policy = as_policy(policy)
-    group_id = kwargs.pop("group_id", None) or f"{task.id}#{time.monotonic_ns()}"
+    group_id = kwargs.pop("group_id", None) or f"{task.id}#{next(_CALLS)}"
     episodes = [
         rollout_episode(policy, task, tokenizer, _member_sampling(sampling, i), sandbox, group_id=group_id, **kwargs)
         for i in range(n)
@@ -125,8 +127,8 @@ async def rollout_many(policy: Any, tasks: Sequence[Task], tokenizer: Any, sampl
         async with limit:
             return await rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id, **kwargs)
 
-    stamp = time.monotonic_ns()
-    jobs = [one(task, i, f"{task.id}#{stamp}:{t}") for t, task in enumerate(tasks) for i in range(n)]
+    call = next(_CALLS)
+    jobs = [one(task, i, f"{task.id}#{call}:{t}") for t, task in enumerate(tasks) for i in range(n)]
     return list(await asyncio.gather(*jobs))
 
 
