@@ -7,6 +7,10 @@
    launcher's per-phase trace: set-up before fork, fork to exec, bubblewrap's set-up, the program, reaping).
 2. Throughput: a small program with five asserts, run on all cores (one worker thread per CPU), sandboxed
    (one slot per CPU) and unsandboxed, in alternating rounds; ratio = sandboxed / unsandboxed runs per second.
+   On a shared machine wall-clock figures move with the neighbours' load, so the CPU each side spends per run
+   is measured too - every process involved: this one, the runs, and (sandboxed) the launchers - and
+   cpu_ratio = unsandboxed CPU per run / sandboxed CPU per run is what the throughput ratio tends to on a
+   quiet, saturated machine.
 Both sides use the same interpreter (the jail's ``python3``, i.e. /usr/bin/python3 on Debian).
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -71,11 +76,25 @@ def start_overhead(sandbox: Sandbox) -> dict:
     }
 
 
-def throughput(run_one, workers: int) -> float:
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU used so far by this process, its reaped children, and `pids` (from schedstat: nanoseconds)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as handle:
+            total += int(handle.read().split()[0]) / 1e9
+    return total
+
+
+def throughput(run_one, workers: int, launchers: list[int]) -> tuple[float, float]:
+    """(runs per second, CPU seconds per run) for one round; run_one returns the CPU its jail used, if any."""
+    cpu_before = cpu_seconds(launchers)
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as executor:
-        list(executor.map(lambda _: run_one(), range(RUNS_PER_ROUND)))
-    return RUNS_PER_ROUND / (time.perf_counter() - started)
+        jail_cpu = sum(executor.map(lambda _: run_one(), range(RUNS_PER_ROUND)))
+    elapsed = time.perf_counter() - started
+    return RUNS_PER_ROUND / elapsed, (cpu_seconds(launchers) - cpu_before + jail_cpu) / RUNS_PER_ROUND
 
 
 def main() -> None:
@@ -87,14 +106,20 @@ def main() -> None:
             plain([PYTHON, "-c", "pass"])
         overhead = start_overhead(sandbox)
 
-        def jailed() -> None:
+        def jailed() -> float:
             result = sandbox.run(["python3", "-c", FIVE_ASSERTS])
             assert result.ok, (result.status, result.error, result.stderr)
+            return result.cpu_s  # the jail's processes, reaped by the launcher, not by us
 
+        def unjailed() -> float:
+            plain([PYTHON, "-c", FIVE_ASSERTS])
+            return 0.0  # counted in our RUSAGE_CHILDREN
+
+        launchers = [slot.process.pid for slot in pool._slots]
         unsandboxed, sandboxed = [], []
         for _ in range(ROUNDS):
-            unsandboxed.append(throughput(lambda: plain([PYTHON, "-c", FIVE_ASSERTS]), cpus))
-            sandboxed.append(throughput(jailed, cpus))
+            unsandboxed.append(throughput(unjailed, cpus, []))
+            sandboxed.append(throughput(jailed, cpus, launchers))
         stats = pool.stats()
         capabilities = pool.capabilities()
 
@@ -102,9 +127,11 @@ def main() -> None:
         "cpus": cpus,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         **{k: round(v, 2) if isinstance(v, float) else v for k, v in overhead.items()},
-        "unsandboxed_runs_per_s": round(statistics.median(unsandboxed), 1),
-        "sandboxed_runs_per_s": round(statistics.median(sandboxed), 1),
-        "ratio": round(statistics.median(sandboxed) / statistics.median(unsandboxed), 3),
+        "unsandboxed_runs_per_s": round(statistics.median(r for r, _ in unsandboxed), 1),
+        "sandboxed_runs_per_s": round(statistics.median(r for r, _ in sandboxed), 1),
+        "ratio": round(statistics.median(r for r, _ in sandboxed) / statistics.median(r for r, _ in unsandboxed), 3),
+        "unsandboxed_cpu_ms_per_run": round(statistics.median(c for _, c in unsandboxed) * 1000, 2),
+        "sandboxed_cpu_ms_per_run": round(statistics.median(c for _, c in sandboxed) * 1000, 2),
         "infra_errors": stats.infra_errors,
         "memory_cgroup": capabilities["memory_limit"],
         "seccomp": capabilities["seccomp"],
@@ -116,6 +143,9 @@ def main() -> None:
     print(f"five-assert programs on {cpus} cores: unsandboxed {figures['unsandboxed_runs_per_s']}/s, "
           f"sandboxed {figures['sandboxed_runs_per_s']}/s, ratio {figures['ratio']} "
           f"(load average {figures['load_avg_1m']})")
+    figures["cpu_ratio"] = round(figures["unsandboxed_cpu_ms_per_run"] / figures["sandboxed_cpu_ms_per_run"], 3)
+    print(f"CPU per run (every process involved): unsandboxed {figures['unsandboxed_cpu_ms_per_run']} ms, "
+          f"sandboxed {figures['sandboxed_cpu_ms_per_run']} ms, cpu_ratio {figures['cpu_ratio']}")
     print(json.dumps(figures))
 
 

@@ -182,3 +182,26 @@ def test_combine_keeps_infrastructure_failures_whole():
     assert combined.is_infrastructure_failure and combined.components == {"a": 1.0, "b": 0.0}
     with pytest.raises(VerifyError, match="same parts"):
         combine({"a": Reward(1.0, True)}, {"b": 1.0})
+
+
+@pytest.mark.parametrize("name, args", [
+    ("exact", {"answer": "1", "extract": "answer_tag"}),
+    ("exact", {"answer": "1", "extract": "boxed"}),
+    ("math", {"reference": "1"}),
+    ("structured", {"schema": {"type": "object"}, "reference": {"a": "1"}}),
+    ("format", {"pattern": r"\d+"}),
+])
+@pytest.mark.parametrize("attack", [
+    "<answer>" * 24_000,
+    "Answer: " + " " * 190_000 + "x",
+    "#### " + "\t " * 90_000 + "x",
+    "\\boxed{" * 20_000,
+    "{" * 100_000,
+    "```python\n" * 15_000,
+])
+def test_pathological_completions_are_judged_in_linear_time(name, args, attack):
+    import time
+
+    started = time.monotonic()
+    reward = verify(task(name, **args), attack)
+    assert not reward.passed and time.monotonic() - started < 2.0

@@ -61,6 +61,22 @@ def strip_reasoning(text: str) -> str:
     return _THINK.sub("", text, count=1) if "</think>" in text else text
 
 
+def tagged(text: str, opening: str, closing: str) -> list[str]:
+    """Every ``opening...closing`` span's content, found in linear time (a lazy regex over a text with many
+    unclosed openings is quadratic, and the text is the model's)."""
+    found, start = [], 0
+    lowered = text.lower()
+    while True:
+        begin = lowered.find(opening, start)
+        if begin < 0:
+            return found
+        end = lowered.find(closing, begin + len(opening))
+        if end < 0:
+            return found
+        found.append(text[begin + len(opening):end])
+        start = end + len(closing)
+
+
 def code_block(text: str, languages: tuple[str, ...] = ("python", "py", "python3", "")) -> str | None:
     """The last fenced code block in one of `languages` ("" = no language given); None when there is none."""
     blocks = [body for lang, body in _FENCE.findall(strip_reasoning(text)) if lang.lower() in languages]

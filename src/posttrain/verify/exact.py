@@ -14,13 +14,12 @@ import unicodedata
 from typing import Any
 
 from posttrain.types import FailureClass, Reward
-from posttrain.verify.completion import strip_reasoning
+from posttrain.verify.completion import strip_reasoning, tagged
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.math_answer import boxed_answers
 from posttrain.verify.registry import verifier
 
 EXTRACTORS = ("all", "last_line", "boxed", "answer_tag")
-_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
 def normalize_answer(text: str, case_sensitive: bool = False) -> str:
@@ -39,7 +38,7 @@ def extract_answer(text: str, extract: str) -> list[str]:
         return lines[-1:] if lines else []
     if extract == "boxed":
         return boxed_answers(body)
-    return _TAG.findall(body)
+    return tagged(body, "<answer>", "</answer>")
 
 
 def _check_exact_args(answer: Any = None, extract: str = "all", **_: Any) -> None:

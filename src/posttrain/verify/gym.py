@@ -23,13 +23,12 @@ from typing import Any
 from posttrain.sandbox import JailOptions, Limits, Sandbox, python_runtime_paths
 from posttrain.types import FailureClass, Reward
 from posttrain.verify.channel import new_nonce, read_record
-from posttrain.verify.completion import strip_reasoning
+from posttrain.verify.completion import strip_reasoning, tagged
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.math_answer import boxed_answers
 from posttrain.verify.registry import verifier
 
 _SCORER_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gym_scorer.py")).read()
-_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _UNSAFE = re.compile(r"__|\b(?:import|exec|eval|compile|open|getattr|setattr|delattr|globals|locals|vars|dir|"
                      r"lambda|breakpoint|input|help|type|object|super|memoryview|os|sys|subprocess)\b")
 _MAX_ANSWER_CHARS = 4000
@@ -37,9 +36,9 @@ _MAX_ANSWER_CHARS = 4000
 
 def _answers(text: str) -> list[str]:
     body = strip_reasoning(text)
-    tagged = [a.strip() for a in _TAG.findall(body)]
-    if tagged:
-        return tagged
+    in_tags = [a.strip() for a in tagged(body, "<answer>", "</answer>")]
+    if in_tags:
+        return in_tags
     boxed = [a.strip() for a in boxed_answers(body)]
     return boxed or [body.strip()]
 

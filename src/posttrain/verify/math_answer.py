@@ -24,9 +24,9 @@ from posttrain.verify.math_worker import math_workers
 from posttrain.verify.registry import verifier
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\b\s*")
-_ANSWER_LINE = re.compile(r"(?im)^[ \t>*#_]*(?:final\s+answer|answer)\s*(?:is)?\s*[:：=]\s*(.+?)\s*$")
+_ANSWER_LINE = re.compile(r"(?im)^[ \t>*#_]*(?:final\s+answer|answer)\s*(?:is)?\s*[:：=][ \t]*(.+)$")
 _ANSWER_IS = re.compile(r"(?im)\b(?:the\s+)?(?:final\s+)?answer\s+is\s*[:：]?\s*(.+?)(?:\.(?:\s|$)|$)")
-_GSM = re.compile(r"(?m)^[ \t]*####\s*(.+?)\s*$")
+_GSM = re.compile(r"(?m)^[ \t]*####[ \t]*(.+)$")
 _HEDGE = re.compile(
     r"\bor\b|\\lor\b|\\vee\b|\bnor\b|\beither\b|\bmaybe\b|\bperhaps\b|\bprobably\b|\bpossibly\b|\blikely\b"
     r"|\bapprox|\\approx|≈|\\sim\b|\?|\band/or\b",
@@ -36,9 +36,15 @@ _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 
 
 def boxed_answers(text: str) -> list[str]:
-    """The contents of every ``\\boxed{...}``/``\\fbox{...}``, braces balanced (``\\boxed 5`` also works)."""
-    answers = []
-    for match in _BOX.finditer(text):
+    """The contents of every ``\\boxed{...}``/``\\fbox{...}``, braces balanced (``\\boxed 5`` also works).
+
+    One pass: a box inside a box is part of the outer answer, and an unclosed box ends the scan (everything
+    after it is inside it), so a text of a thousand unclosed boxes costs what one does."""
+    answers, position = [], 0
+    while True:
+        match = _BOX.search(text, position)
+        if match is None:
+            return answers
         start = match.end()
         if start < len(text) and text[start] == "{":
             depth, index = 0, start
@@ -52,11 +58,15 @@ def boxed_answers(text: str) -> list[str]:
                 if depth == 0:
                     break
                 index += 1
-            answers.append(text[start + 1:index] if depth == 0 else "")
+            if depth != 0:
+                answers.append("")
+                return answers
+            answers.append(text[start + 1:index])
+            position = index + 1
         else:
-            token = re.match(r"[^\s$]+", text[start:])
+            token = re.match(r"[^\s$]+", text[start:start + 200])
             answers.append(token.group(0) if token else "")
-    return answers
+            position = start
 
 
 def stated_answers(text: str) -> list[str]:
@@ -66,7 +76,7 @@ def stated_answers(text: str) -> list[str]:
     if boxes:
         return boxes
     lines = [m.group(1) for pattern in (_ANSWER_LINE, _ANSWER_IS, _GSM) for m in pattern.finditer(body)]
-    return [re.sub(r"[.\s]+$", "", line) for line in lines]
+    return [line.rstrip().rstrip(".").rstrip() for line in lines]
 
 
 def _clean(answer: str) -> str:
