@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from posttrain.sandbox import Limits, RunResult, RunStatus, Sandbox, SandboxPool
+from posttrain.sandbox import JailOptions, Limits, RunResult, RunStatus, Sandbox, SandboxPool, UnsafeSandboxWarning
 from posttrain.types import FailureClass, Trajectory, Reward
 from posttrain.verify import VerifyError, normalize_stdout, parse_tests, strict_equal, verify_code
 from posttrain.verify._harness import decode, encode
@@ -124,11 +124,49 @@ def test_sandbox_infra_failure_is_not_a_score():
     assert Broken.calls == 3 and reward.details["infra_retries"] == 2
 
 
+def test_a_harness_that_cannot_run_is_an_error_not_a_zero():
+    with SandboxPool(1) as pool:
+        broken = Sandbox(pool=pool, jail=JailOptions(python="false"))  # no interpreter: the harness never runs
+        with pytest.raises(VerifyError, match="harness does not work in this sandbox"):
+            verify_code(fenced("def add(a, b):\n    return a + b"), ADD, sandbox=broken)
+
+
+def test_outside_a_jail_the_harness_never_kills_every_process():
+    """The harness stops leftovers with kill(-1) only inside a jail's PID namespace; on the unsafe backend that
+    would be every process on the machine, so there it must be told it is not jailed."""
+    with SandboxPool(1, backend="unsafe-local") as pool:
+        local = Sandbox(pool=pool)
+
+        class Guarded:
+            jail = local.jail
+            pool = local.pool
+
+            def run(self, cmd, **options):
+                config = json.loads(next(v for k, v in options["files"].items() if k.startswith(".config")))
+                assert config["jailed"] is False
+                return local.run(cmd, **options)
+
+        with pytest.warns(UnsafeSandboxWarning):
+            assert verify_code(fenced("def add(a, b):\n    return a + b"), ADD, sandbox=Guarded()).passed
+
+
 def test_jail_limits_still_apply_to_the_candidate():
     with SandboxPool(1) as pool:
         bomb = fenced("def add(a, b):\n    x = bytearray(900 << 20)\n    return a + b")
         reward = verify_code(bomb, ADD, sandbox=Sandbox(pool=pool), limits=Limits(timeout_s=20, memory_mb=256))
         assert reward.score == 0 and not reward.is_infrastructure_failure
+
+
+def test_limits_can_come_from_a_task_spec():
+    from posttrain.types import Task
+    from posttrain.verify import check_task, verify
+
+    spec = {"tests": ADD, "limits": {"memory_mb": 128, "output_bytes": 1 << 16}}
+    task = Task(id="t", domain="code", messages=[], verifier="code", verifier_args=spec)
+    assert verify(task, fenced("def add(a, b):\n    return a + b")).passed
+    with pytest.raises(VerifyError, match="unknown sandbox limit"):
+        check_task(Task(id="t", domain="code", messages=[], verifier="code",
+                        verifier_args={"tests": ADD, "limits": {"memory": 1}}))
 
 
 @pytest.mark.parametrize("tests, message", [

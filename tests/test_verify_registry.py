@@ -33,7 +33,8 @@ def test_builtin_verifiers_are_registered():
 def test_unknown_verifier_and_bad_arguments_are_clear_errors():
     with pytest.raises(VerifyError, match="unknown verifier 'mth'.*registered: .*math"):
         get_verifier("mth")
-    with pytest.raises(VerifyError, match="task 't1'.*unknown argument 'refrence' \\(did you mean 'reference'\\?\\).*takes: reference"):
+    typo = r"task 't1'.*unknown argument 'refrence' \(did you mean 'reference'\?\).*takes: reference"
+    with pytest.raises(VerifyError, match=typo):
         check_task(task("math", refrence="1"))
     with pytest.raises(VerifyError, match="missing a required argument: 'answer'"):
         check_task(task("exact"))

@@ -274,9 +274,11 @@ class Spawner:
             parent_end.close()
             for fd in close_in_zygote:
                 os.close(fd)
+            os.setpgid(0, 0)  # the zygote and its workers form a group the harness can kill in one call
             _zygote(child_end, python, solution_path)
         child_end.close()
         self.control = parent_end
+        self.zygote_pid = pid
 
     def spawn(self, kind, fds):
         try:
@@ -490,6 +492,20 @@ def _read_all(fd, deadline):
     return b"".join(chunks)[:MAX_STDOUT], False
 
 
+def _kill_the_rest(jailed, spawner):
+    """Stop every process the candidate could still be running in before the result is printed. In a jail
+    (its own PID namespace) that is kill(-1): everything but us and the namespace's init, daemons included.
+    Outside one (the unsafe local backend) kill(-1) would hit the whole machine, so only the zygote's process
+    group is killed there - and a daemon may survive, as everything may without isolation."""
+    try:
+        if jailed:
+            os.kill(-1, signal.SIGKILL)
+        else:
+            os.killpg(spawner.zygote_pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def _make_non_dumpable():
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
@@ -526,10 +542,7 @@ def main():
             record["error"] = str(error)[:300]
         if harness.load_error is not None:
             record["import_error"] = harness.load_error
-    try:
-        os.kill(-1, signal.SIGKILL)  # every other process of the jail except its init: workers, daemons
-    except OSError:
-        pass
+    _kill_the_rest(config.get("jailed") is True, spawner)
     line = config["nonce"] + " " + json.dumps(record, separators=(",", ":")) + "\n"
     os.write(1, line.encode())
 

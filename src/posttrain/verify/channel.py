@@ -18,6 +18,12 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+def runs_in_jail(sandbox: Any) -> bool:
+    """Whether `sandbox` runs programs in bubblewrap jails - each its own PID namespace, where a judge may
+    kill(-1) to stop everything the candidate left running. Outside one that would hit the whole machine."""
+    return getattr(getattr(sandbox, "pool", None), "backend", "") == "bubblewrap"
+
+
 def read_record(result: RunResult, nonce: str) -> dict[str, Any] | None:
     """The judge's record; None if it is missing, repeated or malformed."""
     prefix = (nonce + " ").encode()

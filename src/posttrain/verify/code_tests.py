@@ -26,13 +26,14 @@ import json
 import math
 import os
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.sandbox import Limits, Sandbox
+from posttrain.sandbox import Limits, RunResult, Sandbox, SandboxError
 from posttrain.types import FailureClass, Reward
 from posttrain.verify import _harness
-from posttrain.verify.channel import new_nonce, read_record
+from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import code_block, strip_reasoning
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.registry import verifier
@@ -112,8 +113,8 @@ def parse_tests(tests: Any) -> TestSpec:
     raise VerifyError(f"verifier 'code': unknown test shape {type(tests).__name__}; expected {shapes}")
 
 
-def _check_code_args(tests: Any = None, **_: Any) -> None:
-    parse_tests(tests)
+def _check_code_args(tests: Any = None, limits: Any = None, timeout_s: float = 4.0, **_: Any) -> None:
+    _run_limits(parse_tests(tests), timeout_s, limits)
 
 
 def strict_equal(got: Any, expected: Any, float_tolerance: float = 1e-9) -> bool:
@@ -168,14 +169,63 @@ def _case_passed(spec: TestSpec, case: dict[str, Any], outcome: Any, float_toler
     return strict_equal(value, case["expected"], float_tolerance)
 
 
-def _default_limits(spec: TestSpec, timeout_s: float) -> Limits:
+def _run_limits(spec: TestSpec, timeout_s: float, limits: Limits | dict[str, Any] | None) -> Limits:
+    """The jail's limits: a wall-clock budget for every case, overridable per task (a `Limits`, or a dict of
+    limit names to values as a task spec in YAML would give)."""
+    if isinstance(limits, Limits):
+        return limits
     budget = _START_S + spec.total * (timeout_s + 1.0)
-    return Limits(timeout_s=budget, cpu_s=budget, memory_mb=512, processes=64, output_bytes=4 << 20)
+    default = Limits(timeout_s=budget, cpu_s=budget, memory_mb=512, processes=64, output_bytes=4 << 20)
+    try:
+        return default.replace(**(limits or {}))
+    except SandboxError as error:
+        raise VerifyError(f"verifier 'code': limits: {error}") from None
+
+
+def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: dict[str, Any], limits: Limits,
+           infra_retries: int) -> tuple[RunResult, dict[str, Any] | None, int]:
+    """One jail running the harness on `source`: (the run, the harness's record or None, infra retries used).
+    Only the inputs go in; the nonce is new for every run."""
+    nonce = new_nonce()
+    config_name = f".config-{secrets.token_hex(8)}"
+    config = {"mode": spec.mode, "nonce": nonce, "timeout_s": timeout_s, "function": spec.function,
+              "cases": [{"args": c.get("args", []), "kwargs": c.get("kwargs", {})} if spec.mode == "function"
+                        else {"stdin": c["stdin"]} for c in spec.cases],
+              "source": spec.source, "remote_names": spec.remote_names, "jailed": runs_in_jail(box)}
+    files = {**workspace, "solution.py": source, "_harness.py": _HARNESS_SOURCE, config_name: json.dumps(config)}
+    retries = 0
+    while True:
+        result = box.run([box.jail.python, "-B", "-s", "_harness.py", config_name], files=files, limits=limits)
+        if not result.is_infra_error or retries >= infra_retries:
+            return result, read_record(result, nonce), retries
+        retries += 1
+
+
+_self_tested: weakref.WeakSet = weakref.WeakSet()
+_SELF_TEST = TestSpec("function", cases=[{"args": [2, 3], "expected": 5}], function="add")
+
+
+def _self_test(box: Any, run_limits: Limits) -> None:
+    """Once per pool: the harness must judge a known-good program correctly in this jail (its Python may be too
+    old, a library missing ...). Without this, a harness that cannot run would score every program 0, silently."""
+    pool = getattr(box, "pool", None)
+    if pool is None or pool in _self_tested:
+        return
+    result, record, _ = _judge(box, _SELF_TEST, "def add(a, b):\n    return a + b\n", 2.0, {}, run_limits, 2)
+    if result.is_infra_error:
+        return  # the sandbox's own trouble, reported per run; try again next time
+    outcomes = (record or {}).get("cases") or [None]
+    if not record or not _case_passed(_SELF_TEST, _SELF_TEST.cases[0], outcomes[0], 0.0):
+        raise VerifyError(f"the code verifier's harness does not work in this sandbox (interpreter "
+                          f"{box.jail.python!r}, needs Python >= 3.9): status {result.status}, "
+                          f"stderr: {result.stderr[-400:]!r}")
+    _self_tested.add(pool)
 
 
 @verifier("code", check=_check_code_args)
 def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_tolerance: float = 1e-9,
-                solution_file: str | None = None, limits: Limits | None = None, sandbox: Sandbox | None = None,
+                solution_file: str | None = None, limits: Limits | dict[str, Any] | None = None,
+                sandbox: Sandbox | None = None,
                 infra_retries: int = 2, final_state: dict[str, Any] | None = None) -> Reward:
     """Run `tests` (any of the three shapes) against the program in `completion`; see the module doc."""
     spec = parse_tests(tests)
@@ -183,27 +233,15 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_to
     source = _source(completion, final_state, solution_file)
     if source is None:
         return Reward(0.0, False, FailureClass.FORMAT, details={"reason": "no_code", **scheme})
-    nonce = new_nonce()
-    config_name = f".config-{secrets.token_hex(8)}"
-    config = {"mode": spec.mode, "nonce": nonce, "timeout_s": timeout_s, "function": spec.function,
-              "cases": [{"args": c.get("args", []), "kwargs": c.get("kwargs", {})} if spec.mode == "function"
-                        else {"stdin": c["stdin"]} for c in spec.cases],
-              "source": spec.source, "remote_names": spec.remote_names}
-    workspace = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
-    files = {**workspace, "solution.py": source, "_harness.py": _HARNESS_SOURCE, config_name: json.dumps(config)}
-    run_limits = limits or _default_limits(spec, timeout_s)
+    run_limits = _run_limits(spec, timeout_s, limits)
     box = sandbox or Sandbox()  # the shared default pool
-    retries = 0
-    while True:
-        result = box.run([box.jail.python, "-B", "-s", "_harness.py", config_name], files=files, limits=run_limits)
-        if not result.is_infra_error or retries >= infra_retries:
-            break
-        retries += 1
+    _self_test(box, run_limits)
+    files = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
+    result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries)
     run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3)}
     if result.is_infra_error:
         return Reward(0.0, False, FailureClass.SANDBOX, details={"reason": "sandbox_failure",
                                                                   "error": result.error[-500:], **scheme, **run})
-    record = read_record(result, nonce)
     if record is None:
         failure = FailureClass.TIMEOUT if result.status == "timeout" else FailureClass.WRONG_ANSWER
         return Reward(0.0, False, failure, details={"reason": "no_result", **scheme, **run})

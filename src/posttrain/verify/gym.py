@@ -22,7 +22,7 @@ from typing import Any
 
 from posttrain.sandbox import JailOptions, Limits, Sandbox, python_runtime_paths
 from posttrain.types import FailureClass, Reward
-from posttrain.verify.channel import new_nonce, read_record
+from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import strip_reasoning, tagged
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.math_answer import boxed_answers
@@ -87,6 +87,7 @@ def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str
     config_name = f".config-{secrets.token_hex(8)}"
     config = {"nonce": nonce, "dataset": name, "answer": answer, "entry": entry, "timeout_s": timeout_s}
     box = sandbox or scorer_sandbox()
+    config["jailed"] = runs_in_jail(box)
     for attempt in range(infra_retries + 1):
         result = box.run([box.jail.python, "-B", "-s", "_gym_scorer.py", config_name],
                          files={"_gym_scorer.py": _SCORER_SOURCE, config_name: json.dumps(config)},

@@ -3,8 +3,9 @@
 The order matters and each step says why:
 1. a fresh tmpfs (size- and inode-capped) is mounted on the slot's mount point, private to the launcher's mount
    namespace, and the request's files are written into it;
-2. the first process joins the slot's cgroups, drops to the slot's uid (never root), sets the rlimits and execs
-   bubblewrap, which builds the jail; an exec that never happens is reported over a close-on-exec pipe;
+2. the launcher forks (the child is born in the slot's cgroups, which the launcher joined once); the child drops
+   to the slot's uid (never root), sets the rlimits and execs bubblewrap, which builds the jail; an exec that
+   never happens is reported over a close-on-exec pipe;
 3. the launcher reads stdout/stderr up to the output cap and enforces the wall-clock deadline from outside
    (SIGKILL to bubblewrap, whose PID namespace takes every descendant with it, setsid'd daemons included);
 4. every process is reaped (the launcher is their subreaper) and the cgroup is checked empty before the next run;
@@ -72,7 +73,7 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], error_w: int, network: bool) -> None:
-    """In the forked child: put fds in place, join cgroups, drop privileges, set limits, exec. Never returns."""
+    """In the forked child: put fds in place, drop privileges, set limits, exec bubblewrap. Never returns."""
     report_fd = error_w
     try:
         if network:  # before the fd clean-up below closes the handle on the host's namespace
@@ -313,46 +314,68 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
                                 seccomp is not None, slot.etc_dir, slot.dev_dir, staged)
     if slot.cgroups is not None:
         slot.cgroups.set_limits(int(limits["memory_mb"]) << 20, int(limits["processes"]) + 2)
-    oom_before = slot.cgroups.oom_kills() if slot.cgroups is not None else 0
-    usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    stdin_fd = _memfd("stdin", wire.unpack_bytes(request.get("stdin", "")))
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    info_r, info_w = os.pipe2(os.O_CLOEXEC)
-    for fd in (out_r, err_r, info_r):
-        os.set_blocking(fd, False)  # our ends only: the program's stdout/stderr stay blocking
-    error_r, error_w = os.pipe2(os.O_CLOEXEC)
-    seccomp_fd = _memfd("seccomp", seccomp) if seccomp is not None else None
-    child_fds = {0: stdin_fd, 1: out_w, 2: err_w, jail_args.INFO_FD: info_w}
-    if seccomp_fd is not None:
-        child_fds[jail_args.SECCOMP_FD] = seccomp_fd
+    before = _Before(slot.cgroups.oom_kills() if slot.cgroups is not None else 0,
+                     resource.getrusage(resource.RUSAGE_CHILDREN))
+    opened: list[int] = []  # every fd made for this run, closed here whatever happens
+    try:
+        stdin_fd = _memfd("stdin", wire.unpack_bytes(request.get("stdin", "")))
+        opened.append(stdin_fd)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        error_r, error_w = os.pipe2(os.O_CLOEXEC)
+        opened += [out_r, out_w, err_r, err_w, info_r, info_w, error_r, error_w]
+        for fd in (out_r, err_r, info_r):
+            os.set_blocking(fd, False)  # our ends only: the program's stdout/stderr stay blocking
+        child_fds = {0: stdin_fd, 1: out_w, 2: err_w, jail_args.INFO_FD: info_w}
+        if seccomp is not None:
+            child_fds[jail_args.SECCOMP_FD] = _memfd("seccomp", seccomp)
+            opened.append(child_fds[jail_args.SECCOMP_FD])
+        marks["prepared"] = time.perf_counter()
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            _exec_jail(slot, argv, limits, child_fds, error_w, bool(jail.get("network")))
+        for fd in (*child_fds.values(), error_w):
+            os.close(fd)
+            opened.remove(fd)
+        exec_error = b""
+        while True:  # EOF as soon as exec succeeded (close-on-exec), or the child's error message
+            chunk = os.read(error_r, 4096)
+            if not chunk:
+                break
+            exec_error += chunk
+        marks["exec"] = time.perf_counter()
+        before.pid, before.started, before.exec_error = pid, started, exec_error
+        return _supervise(slot, request, limits, root, control_fd, marks, before, out_r, err_r, info_r)
+    finally:
+        for fd in opened:
+            os.close(fd)
 
-    marks["prepared"] = time.perf_counter()
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _exec_jail(slot, argv, limits, child_fds, error_w, bool(jail.get("network")))
-    for fd in (stdin_fd, out_w, err_w, info_w, error_w) + ((seccomp_fd,) if seccomp_fd is not None else ()):
-        os.close(fd)
-    exec_error = b""
-    while True:  # EOF as soon as exec succeeded (close-on-exec), or the child's error message
-        chunk = os.read(error_r, 4096)
-        if not chunk:
-            break
-        exec_error += chunk
-    os.close(error_r)
-    marks["exec"] = time.perf_counter()
-    sup = _Supervision(pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups,
+
+class _Before:
+    """What the launcher noted as the run started, to tell the run's cost and verdict from earlier ones'."""
+
+    def __init__(self, oom_kills: int, usage: resource.struct_rusage):
+        self.oom_kills = oom_kills
+        self.usage = usage
+        self.pid = 0
+        self.started = 0.0
+        self.exec_error = b""
+
+
+def _supervise(slot: Slot, request: dict, limits: dict, root: str, control_fd: int, marks: dict, before: _Before,
+               out_r: int, err_r: int, info_r: int) -> dict:
+    started, exec_error = before.started, before.exec_error
+    sup = _Supervision(before.pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups,
                        marks)
     sup.watch()
     duration = (sup.exited_at or time.monotonic()) - started
-    for fd in (out_r, err_r, info_r):
-        os.close(fd)
     clean = _reap_all(slot.cgroups)
     marks["reaped"] = time.perf_counter()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
-    oom = slot.cgroups is not None and slot.cgroups.oom_kills() > oom_before
+    cpu_s = (usage.ru_utime - before.usage.ru_utime) + (usage.ru_stime - before.usage.ru_stime)
+    oom = slot.cgroups is not None and slot.cgroups.oom_kills() > before.oom_kills
     status, code, sig = _status(sup, oom, cpu_s, limits)
     error = ""
     if exec_error:
