@@ -90,6 +90,10 @@ def test_ok_with_stdin_args_and_stdout(pool):
     assert result.stdout == "x cba\n" and result.duration_s > 0 and result.backend == "bubblewrap"
 
 
+def test_dev_stdin_works_for_programs_that_open_it(pool):
+    assert Sandbox(pool=pool).run(["cat", "/dev/stdin"], stdin="hello").stdout == "hello"
+
+
 def test_runtime_error_keeps_exit_code_and_stderr(pool):
     result = Sandbox(pool=pool).run_python("import sys\nsys.stderr.write('boom')\nsys.exit(3)")
     assert result.status == "runtime_error" and result.exit_code == 3 and result.stderr == "boom"

@@ -148,7 +148,6 @@ class SandboxPool:
                 raise explain_jail_failure(result.error or result.stderr or str(result.status))
             self._capabilities = {
                 "backend": self.backend,
-                "runs_as_root": False,
                 "slot_uid_per_worker": bool(hello.get("root")),
                 "memory_limit": bool(hello.get("cgroups")),
                 "cgroup_version": hello.get("cgroups", 0),

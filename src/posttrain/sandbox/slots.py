@@ -153,7 +153,7 @@ class LauncherSlot:
             process.kill()
             process.wait()
         mount_point = self.hello.get("mount_point")
-        if mount_point:
+        if mount_point and process.returncode != 0:
             # Left behind only if the launcher was killed hard. Its mounts lived in its own mount namespace,
             # so from here these are plain empty directories and files.
             shutil.rmtree(mount_point + "-ro", ignore_errors=True)

@@ -41,10 +41,10 @@ def _start(config: dict) -> tuple[Slot, object]:
     if as_root:
         uid, holder = _claim_uid(int(config["uid_base"]), int(config["uid_span"]))
         gid = uid
-        name = f"posttrain-sandbox-{uid}"
     else:  # without root there is one uid to run as: our own (bubblewrap still maps it into a user namespace)
         uid, gid = os.getuid(), os.getgid()
-        name = f"posttrain-sandbox-{uid}-{os.getpid()}"
+    # Unique per launcher, so nobody else's clean-up can ever touch this launcher's cgroups.
+    name = f"posttrain-sandbox-{uid}-{os.getpid()}"
     syscalls.prctl(syscalls.PR_SET_CHILD_SUBREAPER, 1)
     mount_point = tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=config["tmp_dir"])
     try:
@@ -52,6 +52,8 @@ def _start(config: dict) -> tuple[Slot, object]:
     except OSError:
         os.rmdir(mount_point)
         raise
+    if as_root:  # we hold the uid: any cgroup still named after it belongs to a launcher that died
+        cgroup_mod.remove_stale(f"posttrain-sandbox-{uid}-")
     slot_cgroups = cgroup_mod.SlotCgroups.open(name)
     if slot_cgroups is not None:
         try:

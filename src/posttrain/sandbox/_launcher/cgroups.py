@@ -51,6 +51,28 @@ def _read(path: str) -> str:
         return handle.read()
 
 
+def remove_stale(prefix: str) -> None:
+    """Empty and delete every cgroup named `prefix`... next to ours (launchers that died without cleaning up)."""
+    try:
+        own, mounts = _own_paths(), _mounts()
+    except OSError:
+        return
+    parents = set()
+    for point, fstype, options in mounts:
+        for controller in ("memory", "pids", ""):
+            if controller in own and ((fstype == "cgroup" and controller in options) or
+                                      (fstype == "cgroup2" and controller == "")):
+                parents.add(point + own[controller])
+    for parent in parents:
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+        except OSError:
+            continue
+        for name in names:
+            stale = SlotCgroups(1, os.path.join(parent, name), os.path.join(parent, name))
+            stale.remove(leave=False)
+
+
 class SlotCgroups:
     """The memory and pids cgroups of one slot, named after its uid."""
 
@@ -98,7 +120,6 @@ class SlotCgroups:
     def _create(self) -> None:
         for directory in {self.memory_dir, self.pids_dir}:
             os.makedirs(directory, exist_ok=True)
-        self.kill_all()  # a stale cgroup of a launcher that died: empty it before use
 
     def _memory_files(self) -> list[str]:
         if self.version == 2:
@@ -181,10 +202,10 @@ class SlotCgroups:
                 return False
             time.sleep(0.002)
 
-    def remove(self) -> None:
-        """Empty and delete the cgroups (the launcher moves itself back out first)."""
+    def remove(self, leave: bool = True) -> None:
+        """Empty and delete the cgroups (with `leave`, the launcher first moves itself back out)."""
         self.kill_all(deadline_s=0.5)
-        for directory in {self.memory_dir, self.pids_dir}:
+        for directory in {self.memory_dir, self.pids_dir} if leave else ():
             try:
                 _write(os.path.join(os.path.dirname(directory), "cgroup.procs"), str(os.getpid()))
             except OSError:

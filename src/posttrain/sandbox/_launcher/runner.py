@@ -64,6 +64,9 @@ def _write_files(slot: Slot, root: str, files: dict[str, str]) -> None:
 
 
 def _memfd(name: str, data: bytes) -> int:
+    # Any process in the jail can reopen stdin through /proc/1/fd/0 and read it from the start (programs rely
+    # on /dev/stdin working), so stdin is never a place for what a judge in the jail must keep from the
+    # program it judges: the code harness takes its config from a file it unlinks first.
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     view = memoryview(data)
     while view:
