@@ -34,3 +34,10 @@ def tiny_model(tiny_tokenizer):
     from posttrain.models import build_tiny_model
 
     return build_tiny_model("tiny-1m", tiny_tokenizer, seed=0)
+
+
+def pytest_configure(config):
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()

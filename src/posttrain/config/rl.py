@@ -78,7 +78,7 @@ class ReturnConfig(Section):
 
 class PipelineConfig(Section):
     max_staleness: int = Field(0, ge=0)  # policy versions a trajectory may lag; 0 = synchronous on-policy
-    overlap: bool = True  # with max_staleness > 0, sample the next batches while training on this one
+    overlap: bool = True  # produce rollouts on a thread of their own (with max_staleness > 0: while training)
     stale: Literal["drop", "reweight"] = "drop"  # beyond max_staleness (multi-turn episodes spanning updates)
     self_test: bool = True
     self_test_tolerance: float | None = None  # max |engine - trainer| logprob; default by precision

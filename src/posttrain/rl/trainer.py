@@ -123,7 +123,7 @@ def run_rl(
     produce = _Producer(engine, sampler, tokenizer, recipe)
     pipeline = RolloutPipeline(
         produce, engine.update_weights, max_staleness=recipe.pipeline.max_staleness,
-        overlap=recipe.pipeline.overlap and recipe.pipeline.max_staleness > 0,
+        overlap=recipe.pipeline.overlap,
         start_index=cursor.step, start_version=cursor.step, engine_version=cursor.step, pending=pending,
         thread_setup=_thread_budget(recipe.rollout.engine_threads),
     )
@@ -141,7 +141,8 @@ def run_rl(
             metrics = _train_on(batch, cursor.step, model, optimizer, scheduler, tokenizer, runtime, recipe,
                                 reference)
             cursor.step += 1
-            pipeline.publish_weights(cursor.step, engine_state(model, copy=pipeline.overlap))
+            # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
+            pipeline.publish_weights(cursor.step, engine_state(model, copy=recipe.pipeline.max_staleness > 0))
             _log_episodes(episodes_log, batch)
             metrics["time/step_s"] = time.perf_counter() - started
             cursor.train_seconds += metrics["time/step_s"]
