@@ -9,8 +9,14 @@ timed side by side, alternating which goes first, and the figures are medians ov
 is shared: single runs are noisy). Tokens counted are the completion tokens actually produced (through the eos
 when one is sampled), so padding `generate` adds after an eos is not counted for it.
 
-Ends with exactly one JSON line: per preset and precision the medians and their ratio; ``"ratio"`` is the
-smallest same-precision ratio over the presets run.
+It also measures the engine-vs-trainer logprob gap: the engine's logprobs for its own samples against a
+teacher-forced forward pass of the same model, in fp32 and under bf16 autocast (what a trainer computes),
+as mean and max absolute difference. ``--train-steps N`` first trains the model N steps on arithmetic chat
+samples (a random model's near-uniform distributions understate the gap; a trained model also stops early).
+
+Ends with exactly one JSON line: per preset and precision the medians and their ratio, the gaps, and
+``"ratio"``: the engine at its fastest precision (bf16 autocast where the CPU has native bf16) over
+transformers' `generate` at its fastest, for the first preset. Same-precision ratios are in ``results``.
 """
 
 from __future__ import annotations
@@ -77,8 +83,55 @@ def run_transformers(model, tokenizer, prompts: list[list[int]], precision: str)
     return produced, seconds
 
 
-def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int) -> dict:
-    model = build_tiny_model(preset, tokenizer, seed=0).eval()
+def train(model, tokenizer, steps: int) -> None:
+    """A few hundred SFT steps on arithmetic chats, so the model's distributions look like a real policy's."""
+    rng = random.Random(1)
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(32 * steps)]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}?"},
+             {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}],
+            tokenize=False,
+        )  # fmt: skip
+        for a, b in pairs
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        batch = tokenizer(texts[32 * step : 32 * (step + 1)], return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def logprob_gap(engine: HFEngine, model, prompts: list[list[int]]) -> dict:
+    """Engine logprobs vs a teacher-forced forward pass of the same weights, in fp32 and bf16 autocast."""
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=SAMPLES, seed=0)
+    groups = engine.generate([GenerationRequest(p) for p in prompts], sampling)
+    gaps: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": []}
+    for prompt, group in zip(prompts, groups):
+        for completion in group:
+            ids = torch.tensor([prompt + completion.token_ids])
+            target = torch.tensor(completion.token_ids)[:, None]
+            for trainer in gaps:
+                with torch.inference_mode(), precision_context(trainer):
+                    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+                reference = torch.log_softmax(logits, dim=-1).gather(-1, target).squeeze(-1)
+                gaps[trainer].append((reference - torch.tensor(completion.logprobs)).abs())
+    summary = {}
+    for trainer, values in gaps.items():
+        joined = torch.cat(values)
+        summary[f"vs_trainer_{trainer}"] = {"mean": float(f"{joined.mean():.3g}"), "max": float(f"{joined.max():.3g}")}
+    return summary
+
+
+def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int, train_steps: int) -> dict:
+    model = build_tiny_model(preset, tokenizer, seed=0)
+    train(model, tokenizer, train_steps)
+    model.eval()
     engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None) for p in precisions}
     rates: dict[str, dict[str, list[float]]] = {p: {"engine": [], "transformers": []} for p in precisions}
     for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs
@@ -101,8 +154,15 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
             "transformers_tokens_per_s": round(transformers),
             "ratio": round(engine / transformers, 2),
             "runner": engines[precision].runner,
+            "logprob_gap": logprob_gap(engines[precision], model, prompts),
         }
     return result
+
+
+def headline_ratio(figures: dict) -> float:
+    engine = max(f["engine_tokens_per_s"] for f in figures.values())
+    transformers = max(f["transformers_tokens_per_s"] for f in figures.values())
+    return round(engine / transformers, 2)
 
 
 def main() -> None:
@@ -111,6 +171,7 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--train-steps", type=int, default=0, help="train the model first (see above)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,11 +179,13 @@ def main() -> None:
     prompts = make_prompts(tokenizer)
     results = {}
     for preset in args.presets:
-        results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats)
+        results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats, args.train_steps)
         for precision, figures in results[preset].items():
+            gap = figures["logprob_gap"]
             print(
                 f"{preset:9s} {precision:5s} engine {figures['engine_tokens_per_s']:>7,} tok/s   "
-                f"transformers {figures['transformers_tokens_per_s']:>7,} tok/s   ratio {figures['ratio']:.2f}"
+                f"transformers {figures['transformers_tokens_per_s']:>7,} tok/s   ratio {figures['ratio']:.2f}   "
+                f"logprob gap vs fp32 trainer {gap['vs_trainer_fp32']}, vs bf16 trainer {gap['vs_trainer_bf16']}"
             )
     summary = {
         "bench": "generation",
@@ -130,8 +193,9 @@ def main() -> None:
         "max_new_tokens": NEW_TOKENS,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
+        "train_steps": args.train_steps,
         "results": results,
-        "ratio": min(f["ratio"] for preset in results.values() for f in preset.values()),
+        "ratio": headline_ratio(results[args.presets[0]]),
     }
     print(json.dumps(summary))
 

@@ -120,16 +120,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class DecoderRunner:
-    """Prefill, decode and compaction over a static KV cache for one batch of rows.
+    """Prefill, decode and compaction for one batch of rows (sequences), the prompt KV shared by its group.
 
-    The cache is time-major, ``[capacity, rows, kv_heads, head_dim]`` per layer: a decode step writes one
-    contiguous block and attention reads one contiguous prefix ``[:length]`` — on CPU that streams through
-    memory about twice as fast as the row-major layout, whose rows each end in unused capacity.
+    KV caches are time-major, ``[length, batch, kv_heads, head_dim]`` per layer, stored in the attention
+    operand dtype (bf16 under autocast: exactly what SDPA would be given, and half the memory traffic —
+    decode attention is memory-bound) and widened to float32 for the matmuls, as SDPA accumulates:
+
+    * the prompt part, one slot per distinct prompt, written once by the prefill and never copied per row;
+    * the generated part, one slot per row, preallocated for ``max_new_tokens`` columns.
+
+    A decode step's attention is the softmax over both parts together. The prompt part is computed per
+    group: the query rows of a prompt's sequences are laid out on a ``[prompts, rows per prompt]`` grid so
+    one matmul per prompt reads its KV once, instead of once per sequence — for n samples of a long prompt,
+    n times less KV memory and traffic. Dropping finished rows re-packs the grid (and the prompts left).
     """
 
-    def __init__(
-        self, model: torch.nn.Module, autocast: torch.dtype | None = None, use_sdpa: bool | None = None
-    ):
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None):
         reason = fast_path_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -140,20 +146,15 @@ class DecoderRunner:
         self.layers = [_Layer(layer, self.weights) for layer in self.body.layers]
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.autocast = autocast
         self.device = self.body.embed_tokens.weight.device
         self.param_dtype = self.body.embed_tokens.weight.dtype
-        # Attention operands are what SDPA would see (bf16 under autocast). On CPU the cache holds them
-        # widened to float32 (exact) for the float32 matmuls; elsewhere as they are, for SDPA.
+        # What SDPA would see (bf16 under autocast): the operands are rounded to it before the float32 maths.
         self.attn_dtype = autocast or self.param_dtype
-        self.use_sdpa = self.device.type != "cpu" if use_sdpa is None else use_sdpa
-        self.cache_dtype = self.attn_dtype if self.use_sdpa else torch.float32
         self._rope_len = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    # ---- rotary table ---------------------------------------------------------------------------
+        self.release()
 
     def _rope(self, capacity: int) -> None:
         if capacity <= self._rope_len:
@@ -171,77 +172,43 @@ class DecoderRunner:
             x = x.to(self.autocast)
         return F.linear(x, weight[0], weight[1])
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """Run `ids` [B, S] at cache columns start..start+S; `mask` [B, 1, S, start+S] (True = attend)."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder over `ids` [B, S]; ``attend(layer, q, k, v, scaling)`` stores k/v and returns [B, S, H*D]."""
         batch, width = ids.shape
         x = F.embedding(ids, self.body.embed_tokens.weight)
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, D]
-        end = start + width
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         for index, layer in enumerate(self.layers):
             w_qkv, w_o, w_gate_up, w_down = layer.linears()
             h = _rms_norm(x, layer.input_norm)
-            qkv = self._linear(h, w_qkv).view(batch, width, heads + 2 * kv_heads, head_dim)
+            qkv = self._linear(h, w_qkv).view(batch, width, heads + 2 * kv_heads, self.head_dim)
             if layer.q_norm is None:  # rotate q and k in one go
                 qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             else:
                 q = _rotate(_rms_norm(qkv[:, :, :heads], layer.q_norm), cos, sin)
                 k = _rotate(_rms_norm(qkv[:, :, heads : heads + kv_heads], layer.k_norm), cos, sin)
-            # Time-major cache: [S, B, kv_heads, D] blocks.
-            self.keys[index][start:end] = k.transpose(0, 1).to(self.attn_dtype)
-            self.values[index][start:end] = qkv[:, :, heads + kv_heads :].transpose(0, 1).to(self.attn_dtype)
-            attention = self._attend(q, index, end, mask, layer.scaling)  # [B, S, H * D]
-            x = x + self._linear(attention, w_o)
+            v = qkv[:, :, heads + kv_heads :]
+            x = x + self._linear(attend(index, q, k, v, layer.scaling), w_o)
             h = _rms_norm(x, layer.post_norm)
             gate, up = self._linear(h, w_gate_up).chunk(2, dim=-1)
             x = x + self._linear(F.silu(gate) * up, w_down)
         return x
 
-    def _attend(self, q: torch.Tensor, index: int, end: int, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-        """softmax(q k^T * scaling + mask) v over cache columns [0, end): q [B, S, H, D] -> [B, S, H * D].
-
-        On CPU it is written out with float32 matmuls on operands already rounded to the operand dtype:
-        the fused SDPA kernel is slower there for one query per row (~7x slower in bf16), and float32
-        accumulation is what SDPA does inside. Grouped-query attention packs the query heads of a group as
-        extra query rows of their shared key/value head instead of repeating the keys.
-        """
-        keys = self.keys[index][:end].permute(1, 2, 0, 3)  # [B, kv_heads, T, D] views
-        values = self.values[index][:end].permute(1, 2, 0, 3)
-        batch, width, heads, head_dim = q.shape
-        kv_heads = self.num_kv_heads
-        group = heads // kv_heads
-        q = q.to(self.attn_dtype).to(self.cache_dtype).transpose(1, 2)  # [B, H, S, D]
-        if self.use_sdpa:
-            if width == 1 and group > 1:
-                q = q.reshape(batch, kv_heads, group, head_dim)
-            elif group > 1:
-                keys = keys.repeat_interleave(group, dim=1)
-                values = values.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-            out = out.reshape(batch, heads, width, head_dim)
-        else:
-            q = q.reshape(batch, kv_heads, group * width, head_dim)
-            scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scaling)
-            if group > 1:
-                scores = scores.view(batch, kv_heads, group, width, end)
-                scores = scores.masked_fill_(~mask.unsqueeze(2), float("-inf")).view(batch, -1, group * width, end)
-            else:
-                scores = scores.masked_fill_(~mask, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), values).view(batch, heads, width, head_dim)
-        return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(self.attn_dtype)
+    def _operand(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.attn_dtype).to(torch.float32)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = _rms_norm(hidden, self.body.norm)
         head = self.model.lm_head
         return self._linear(hidden, (self.weights.get(head.weight), self.weights.get(head.bias))).float()
 
-    # ---- the runner interface -----------------------------------------------------------------------
+    # ---- prefill: the prompts attend to themselves ------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, capacity: int) -> torch.Tensor:
-        """Run the prompts once, give each `rows_per_prompt` rows sharing its KV; logits [rows, vocab]."""
+    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
+        """Run the distinct prompts once; each gets `rows_per_prompt` rows. Logits [rows, vocab]."""
         width = max(len(p) for p in prompts)
-        self._rope(capacity)
+        self._rope(width + max_new_tokens)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         valid = torch.zeros(len(prompts), width, dtype=torch.bool)
         for row, prompt in enumerate(prompts):
@@ -249,50 +216,107 @@ class DecoderRunner:
             valid[row, width - len(prompt) :] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
         positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril_()
         # A padding query sees only itself: finite garbage that no real token ever attends to.
-        eye = torch.eye(width, dtype=torch.bool, device=self.device)
-        mask = (causal & valid[:, None, :]) | eye
-        self.keys = [self._empty(width, len(prompts)) for _ in self.layers]
-        self.values = [self._empty(width, len(prompts)) for _ in self.layers]
-        hidden = self._forward(ids, positions, 0, mask.unsqueeze(1))
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril_()
+        mask = ((causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device))[:, None]
+        self.prompt_keys = [self._empty(width, len(prompts)) for _ in self.layers]
+        self.prompt_values = [self._empty(width, len(prompts)) for _ in self.layers]
+
+        def attend(index, q, k, v, scaling):
+            self.prompt_keys[index][:] = k.transpose(0, 1)
+            self.prompt_values[index][:] = v.transpose(0, 1)
+            keys = self.prompt_keys[index].float().permute(1, 2, 3, 0)  # [B, kv_heads, D, P]
+            values = self.prompt_values[index].float().permute(1, 2, 0, 3)  # [B, kv_heads, P, D]
+            batch, _, heads, head_dim = q.shape
+            # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
+            q = self._operand(q).permute(0, 2, 1, 3).reshape(batch, self.num_kv_heads, self.group * width, head_dim)
+            scores = torch.matmul(q, keys).mul_(scaling)
+            scores = scores.view(batch, self.num_kv_heads, self.group, width, width).masked_fill_(
+                ~mask[:, :, None], float("-inf")
+            )
+            weights = torch.softmax(scores.view(batch, self.num_kv_heads, -1, width), dim=-1)
+            out = torch.matmul(weights, values).view(batch, heads, width, head_dim)
+            return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(self.attn_dtype)
+
+        hidden = self._forward(ids, positions, attend)
         logits = self._logits(hidden[:, -1])
-        # Expand: every row of a group gets its own copy of the prompt's KV, in a cache with room to grow.
-        source = torch.arange(len(prompts), device=self.device).repeat_interleave(rows_per_prompt)
-        self.length = width
-        self._select(source, capacity)
-        self.valid = torch.zeros(len(source), capacity, dtype=torch.bool, device=self.device)
-        self.valid[:, :width] = valid[source]
-        self.positions = valid.sum(-1)[source]
-        return logits[source]
+        rows_prompt = torch.arange(len(prompts), device=self.device).repeat_interleave(rows_per_prompt)
+        self.prompt_bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
+        self.keys = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]
+        self.values = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]
+        self.length = 0
+        self.positions = valid.sum(-1)[rows_prompt]
+        self._regroup(rows_prompt)
+        return logits[rows_prompt]
 
-    def _empty(self, capacity: int, rows: int) -> torch.Tensor:
-        shape = (capacity, rows, self.num_kv_heads, self.head_dim)
-        return torch.empty(shape, dtype=self.cache_dtype, device=self.device)
+    def _empty(self, length: int, batch: int) -> torch.Tensor:
+        shape = (length, batch, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=self.attn_dtype, device=self.device)
 
-    def _select(self, rows: torch.Tensor, capacity: int) -> None:
-        """Rebuild the cache with only (or repeated) `rows`, room for `capacity` columns."""
-        for caches in (self.keys, self.values):
-            for index, cache in enumerate(caches):
-                grown = self._empty(capacity, len(rows))
-                torch.index_select(cache[: self.length], 1, rows, out=grown[: self.length])
-                caches[index] = grown
+    # ---- decode: one token per row, attending to its prompt (shared) and its own tokens ---------------
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; logits [rows, vocab] for the next one."""
-        column = self.length
-        self.valid[:, column] = True
-        mask = self.valid[:, None, None, : column + 1]
-        hidden = self._forward(tokens[:, None], self.positions[:, None], column, mask)
+        hidden = self._forward(tokens[:, None], self.positions[:, None], self._attend_step)
         self.positions += 1
         self.length += 1
         return self._logits(hidden[:, 0])
 
+    def _attend_step(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+        rows, kv_heads, group, head_dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        self.keys[index][self.length] = k[:, 0]
+        self.values[index][self.length] = v[:, 0]
+        q = self._operand(q).view(rows, kv_heads, group, head_dim)
+        prompt_keys = self.prompt_keys[index].float().permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
+        own_keys = self.keys[index][: self.length + 1].float().permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
+        prompt_scores = self._from_grid(torch.matmul(self._to_grid(q), prompt_keys)) + self.row_bias
+        scores = torch.cat([prompt_scores, torch.matmul(q, own_keys)], dim=-1).mul_(scaling)
+        weights = torch.softmax(scores, dim=-1)
+        width = prompt_keys.shape[-1]
+        own_values = self.values[index][: self.length + 1].float().permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
+        out = torch.matmul(weights[..., width:], own_values)
+        prompt_values = self.prompt_values[index].float().permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
+        out += self._from_grid(torch.matmul(self._to_grid(weights[..., :width]), prompt_values))
+        return out.view(rows, 1, kv_heads * group * head_dim).to(self.attn_dtype)
+
+    def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, kv_heads, group, F] -> [prompts, kv_heads, slots * group, F], zero where no row sits."""
+        prompts, slots = self.grid
+        grid = x.new_zeros(prompts * slots, *x.shape[1:])
+        grid.index_copy_(0, self.grid_index, x)
+        grid = grid.view(prompts, slots, *x.shape[1:]).transpose(1, 2)
+        return grid.reshape(prompts, x.shape[1], slots * x.shape[2], x.shape[3])
+
+    def _from_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        prompts, slots = self.grid
+        kv_heads, features = grid.shape[1], grid.shape[-1]
+        grid = grid.view(prompts, kv_heads, slots, self.group, features).transpose(1, 2)
+        return grid.reshape(prompts * slots, kv_heads, self.group, features)[self.grid_index]
+
+    def _regroup(self, rows_prompt: torch.Tensor) -> None:
+        """Lay the rows (sorted by prompt) on the [prompts, slots] grid; drop prompts with no rows left."""
+        alive, local = torch.unique(rows_prompt, return_inverse=True)
+        if len(alive) < self.prompt_bias.shape[0]:
+            self.prompt_keys = [k.index_select(1, alive) for k in self.prompt_keys]
+            self.prompt_values = [v.index_select(1, alive) for v in self.prompt_values]
+            self.prompt_bias = self.prompt_bias[alive]
+        counts = torch.bincount(local, minlength=len(alive))
+        first = counts.cumsum(0) - counts
+        slot = torch.arange(len(local), device=self.device) - first[local]
+        self.grid = (len(alive), int(counts.max()))
+        self.grid_index = local * self.grid[1] + slot
+        self.rows_prompt = local
+        self.row_bias = self.prompt_bias[local][:, None, None, :]  # [rows, 1, 1, P]
+
     def keep(self, rows: torch.Tensor) -> None:
-        """Drop every row not in `rows` (finished sequences stop costing compute)."""
-        self._select(rows, self.valid.shape[1])
-        self.valid = self.valid[rows]
+        """Drop every row not in `rows` (ascending): finished sequences stop costing compute."""
+        for caches in (self.keys, self.values):
+            for index, cache in enumerate(caches):
+                kept = self._empty(cache.shape[0], len(rows))
+                torch.index_select(cache[: self.length], 1, rows, out=kept[: self.length])
+                caches[index] = kept
         self.positions = self.positions[rows]
+        self._regroup(self.rows_prompt[rows])
 
     def release(self) -> None:
-        self.keys, self.values = [], []
+        self.keys, self.values, self.prompt_keys, self.prompt_values = [], [], [], []

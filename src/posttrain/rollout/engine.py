@@ -3,7 +3,7 @@
 One `generate` call runs its requests in chunks of at most ``max_batch_size`` sequences. A chunk:
 
 1. prefills each distinct prompt once (left-padded together, position ids counting real tokens only);
-2. gives each of the ``n`` sequences of a prompt its own copy of the prompt's KV (the group shares the prefill);
+2. gives each prompt ``n`` sequences (rows) that share its KV (`DecoderRunner`) or get a copy of it;
 3. decodes one token per running sequence per step, sampling with `Sampler` (the logprob reported is
    ``log_softmax(logits / T)`` of the sampled token, before top-k/top-p);
 4. stops each sequence on its own (`StopRule`: eos / stop tokens / stop strings / length) and compacts the
@@ -52,6 +52,44 @@ class EngineStats:
     weight_updates: int = 0
     update_s: float = 0.0
     last_update_s: float | None = None
+
+
+class _Record:
+    """Every row's sampled tokens and logprobs, and why it stopped (None while it runs)."""
+
+    def __init__(self, row_limits: list[int], rule: StopRule):
+        self.limits, self.rule = row_limits, rule
+        self.tokens: list[list[int]] = [[] for _ in row_limits]
+        self.logprobs: list[list[float]] = [[] for _ in row_limits]
+        self.reasons: list[str | None] = [None] * len(row_limits)
+
+    def add(self, batch: list[int | None], tokens: list[int], logprobs: list[float]) -> list[int | None]:
+        """Record one step's token per running row; returns `batch` with the rows that stopped set to None."""
+        running = []
+        for row, token, logprob in zip(batch, tokens, logprobs):
+            if row is None:
+                continue
+            self.tokens[row].append(token)
+            self.logprobs[row].append(logprob)
+            if token in self.rule.stop_ids:
+                self.reasons[row] = "token"
+            else:
+                running.append(row)
+        for row, hit in zip(running, self.rule.string_hits([self.tokens[r] for r in running])):
+            if hit:
+                self.reasons[row] = "string"
+            elif len(self.tokens[row]) >= self.limits[row]:
+                self.reasons[row] = "length"
+        return [row if row is not None and self.reasons[row] is None else None for row in batch]
+
+    def completions(self) -> list[tuple[list[int], list[float], str, str]]:
+        """(token ids, logprobs, text, finish reason) per row, cut by the stop rule."""
+        outputs = []
+        for tokens, logprobs, reason in zip(self.tokens, self.logprobs, self.reasons):
+            reason = reason or "length"
+            ids, kept_logprobs, text = self.rule.cut(tokens, logprobs, reason)
+            outputs.append((ids, kept_logprobs, text, "length" if reason == "length" else "stop"))
+        return outputs
 
 
 def _dtype(value: torch.dtype | str | None, what: str) -> torch.dtype | None:
@@ -207,53 +245,29 @@ class HFEngine:
     def _run_chunk(
         self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams
     ) -> list[tuple[list[int], list[float], str, str]]:
-        n = sampling.n
-        row_limits = [limit for limit in limits for _ in range(n)]
+        row_limits = [limit for limit in limits for _ in range(sampling.n)]
         steps = max(row_limits)
-        rows = len(row_limits)
-        logits = self._runner.prefill(prompts, n, max(len(p) for p in prompts) + steps)
+        logits = self._runner.prefill(prompts, sampling.n, steps)
         sampler = Sampler(sampling, row_seeds, steps, self.device)
-        rule = StopRule(self.tokenizer, self.eos_ids, sampling)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        logprobs: list[list[float]] = [[] for _ in range(rows)]
-        reasons: list[str | None] = [None] * rows
-        batch: list[int | None] = list(range(rows))  # batch position -> row (None: finished, not yet dropped)
+        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
+        batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
         for step in range(steps):
             sampled, sampled_logprobs = sampler.sample(logits, step)
-            running = []
-            for row, token, logprob in zip(batch, sampled.tolist(), sampled_logprobs.tolist()):
-                if row is not None:
-                    tokens[row].append(token)
-                    logprobs[row].append(logprob)
-                    if token in rule.stop_ids:
-                        reasons[row] = "token"
-                    else:
-                        running.append(row)
-            for row, hit in zip(running, rule.string_hits([tokens[r] for r in running])):
-                if hit:
-                    reasons[row] = "string"
-                elif len(tokens[row]) >= row_limits[row]:
-                    reasons[row] = "length"
-            batch = [row if row is not None and reasons[row] is None else None for row in batch]
+            batch = record.add(batch, sampled.tolist(), sampled_logprobs.tolist())
             alive = [position for position, row in enumerate(batch) if row is not None]
             if not alive:
                 break
-            if len(batch) - len(alive) >= max(1, len(batch) // 8):
+            if len(batch) - len(alive) >= max(1, len(batch) // 8):  # compact: drop the finished rows
                 keep = torch.tensor(alive, device=self.device)
                 self._runner.keep(keep)
                 sampler.keep(keep)
                 sampled = sampled[keep]
-                batch = [batch[p] for p in alive]
+                batch = [batch[position] for position in alive]
             logits = self._runner.decode(sampled)
         self.stats.chunks += 1
-        self.stats.sequences += rows
-        self.stats.completion_tokens += sum(len(t) for t in tokens)
-        outputs = []
-        for row in range(rows):
-            reason = reasons[row] or "length"
-            ids, lps, text = rule.cut(tokens[row], logprobs[row], reason)
-            outputs.append((ids, lps, text, "length" if reason == "length" else "stop"))
-        return outputs
+        self.stats.sequences += len(row_limits)
+        self.stats.completion_tokens += sum(len(t) for t in record.tokens)
+        return record.completions()
 
     # ---- weights ----------------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ class GenericRunner:
             self.cache = output.past_key_values
         return output.logits[:, -1].float()
 
-    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, capacity: int) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
