@@ -5,6 +5,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from posttrain.models import segments_from_positions, varlen_attention_forward, varlen_mask
 from posttrain.data import (
     IGNORE_INDEX,
     DataError,
@@ -15,9 +16,6 @@ from posttrain.data import (
     collate,
     cu_seq_lens,
     model_inputs,
-    segments_from_positions,
-    varlen_attention_forward,
-    varlen_mask,
 )
 from posttrain.models import build_tiny_model, train_tokenizer
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from posttrain.models import segments_from_positions, varlen_attention_forward, varlen_mask
 from posttrain.data import (
     SampleMetadata,
     SFTSample,
@@ -21,8 +22,6 @@ from posttrain.data import (
     collate,
     model_inputs,
     tokenize_samples,
-    varlen_attention_forward,
-    varlen_mask,
 )
 from posttrain.models import build_tiny_model, train_tokenizer
 

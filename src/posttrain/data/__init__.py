@@ -8,7 +8,6 @@
 See docs/data.md for the record format and every knob.
 """
 
-from posttrain.data.attention import segments_from_positions, varlen_attention_forward, varlen_mask
 from posttrain.data.decontaminate import (
     DecontaminationResult,
     EvalItem,
@@ -83,11 +82,8 @@ __all__ = [
     "read_records",
     "read_samples",
     "resolve_format",
-    "segments_from_positions",
     "split_by_hash",
     "tokenize_sample",
     "tokenize_samples",
     "validate_record",
-    "varlen_attention_forward",
-    "varlen_mask",
 ]

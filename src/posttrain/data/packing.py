@@ -14,7 +14,7 @@ Three equivalent ways to keep attention inside each sample (see docs/data.md for
 * `position_ids` alone (no `attention_mask`): transformers detects the restarts and builds the block mask.
 * ``attention_mask=block_causal_mask(document_ids, dtype)``: an explicit 4D additive mask (sdpa and eager).
 * ``cu_seq_lens_q/k`` + ``max_length_q/k`` (`model_inputs` adds them): variable-length attention, either
-  flash-attention 2 on GPU or `posttrain.data.varlen_attention_forward`, which skips the masked blocks.
+  flash-attention 2 on GPU or `posttrain.models.varlen_attention_forward`, which skips the masked blocks.
 """
 
 from __future__ import annotations

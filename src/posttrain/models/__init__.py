@@ -3,6 +3,7 @@
     from posttrain.models import load_tokenizer, load_model, build_tiny_model, save_checkpoint
 """
 
+from posttrain.models.attention import segments_from_positions, varlen_attention_forward, varlen_mask
 from posttrain.models.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -40,6 +41,9 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
     "save_model_dir",
+    "segments_from_positions",
     "tiny_config",
     "train_tokenizer",
+    "varlen_attention_forward",
+    "varlen_mask",
 ]

@@ -120,10 +120,10 @@ def _register_varlen() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    from posttrain.data.attention import varlen_attention_forward
+    from posttrain.models.attention import varlen_attention_forward, varlen_mask
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN, sdpa_mask)
+    AttentionMaskInterface.register(VARLEN, varlen_mask(sdpa_mask))
 
 
 def _require_dir(location: str, key: str) -> None:

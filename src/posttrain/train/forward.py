@@ -40,12 +40,12 @@ def selected_logits(
     (e.g. the `cu_seq_lens_*` of a packed batch for variable-length attention).
     """
     parts = split_head(model)
+    model_kwargs.setdefault("use_cache", False)  # a KV cache would stop transformers keeping packed samples apart
     if parts is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        **model_kwargs).logits
         return logits[:, :-1][select].float()
     decoder, head = parts
-    model_kwargs.setdefault("use_cache", False)
     hidden = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs
     ).last_hidden_state

@@ -10,7 +10,6 @@ the cursor (epoch, row), plus optimizer, schedule and RNG states.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import SFTRecipe, dump_recipe
-from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_samples
+from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_texts
 from posttrain.models import (
     count_parameters,
     latest_checkpoint,
@@ -72,7 +71,7 @@ def run_sft(
     runtime = setup_runtime(recipe.runtime)
 
     # Model and data. The built-in tokenizer (no model.path) is trained on the run's own text.
-    corpus = _corpus(recipe) if recipe.model.path is None and not recipe.model.tokenizer_path else None
+    corpus = read_all_texts(recipe.data) if recipe.model.path is None and not recipe.model.tokenizer_path else None
     tokenizer = load_tokenizer(recipe.model, corpus=corpus)
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=output_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
@@ -107,7 +106,7 @@ def run_sft(
     train_loss = _train_loop(recipe, model, tokenizer, data, optimizer, scheduler, runtime, cursor, total_steps,
                              tracker, on_step, output_dir)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
-                                 recipe.train.batch_size) if bool(data.heldout) else None
+                                 recipe.train.batch_size) if data.has_heldout else None
     if heldout_loss is not None:
         tracker.log({"eval/heldout_loss": heldout_loss}, step=cursor.step)
     _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor)
@@ -144,7 +143,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
         step_rows = rows[cursor.row : cursor.row + config.batch_size]
         started = time.perf_counter()
         batches = [
-            _to(collate(step_rows[start : start + micro], tokenizer.pad_token_id), runtime.device)
+            collate(step_rows[start : start + micro], tokenizer.pad_token_id, device=runtime.device)
             for start in range(0, len(step_rows), micro)
         ]
         trained_tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
@@ -154,7 +153,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
                 summed, _ = sft_loss_sum(model, batch)
             (summed / max(trained_tokens, 1)).backward()
             loss_sum += float(summed.detach())
-            input_tokens += int((batch["document_ids"] >= 0).sum())
+            input_tokens += batch["num_tokens"]
         grad_norm = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
         cursor.train_seconds += time.perf_counter() - started
         cursor.step += 1
@@ -178,7 +177,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"loss {metrics['train/loss']:.4f} {metrics['train/tokens_per_s']:,.0f} tok/s")
             window_loss, window_tokens, window_trained, window_start = 0.0, 0, 0, time.perf_counter()
-        if config.eval_every and cursor.step % config.eval_every == 0 and bool(data.heldout):
+        if config.eval_every and cursor.step % config.eval_every == 0 and data.has_heldout:
             loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime, config.batch_size)
             tracker.log({"eval/heldout_loss": loss}, step=cursor.step)
             model.train()
@@ -193,7 +192,7 @@ def evaluate_loss(model, rows, pad_id: int, runtime: Runtime, batch_size: int) -
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        batch = _to(collate(rows[start : start + batch_size], pad_id), runtime.device)
+        batch = collate(rows[start : start + batch_size], pad_id, device=runtime.device)
         with runtime.autocast():
             summed, n = sft_loss_sum(model, batch)
         total += float(summed)
@@ -221,18 +220,3 @@ def _flat(report: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             flat[f"{prefix}{key}"] = value
     return flat
 
-
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-
-
-def _corpus(recipe: SFTRecipe) -> list[str]:
-    """The text the built-in tokenizer is trained on: every message and reasoning trace of the train data.
-    (Rejects are counted and written later, by `prepare_sft_data`; here they are only skipped.)"""
-    texts = []
-    for source in recipe.data.train:
-        rejects = None if recipe.data.on_invalid == "error" else os.devnull
-        for sample in read_samples(source, recipe.data.on_invalid, rejects):
-            texts += [m.get("content") or "" for m in sample.messages]
-            texts.append(sample.metadata.reasoning_trace or "")
-    return texts

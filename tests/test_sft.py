@@ -1,0 +1,138 @@
+"""The SFT recipe end to end: it learns, resumes exactly after SIGKILL, and bad input is one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from posttrain.config import SFTRecipe, load_recipe
+from posttrain.tasks import get_domain, sample_tasks
+from posttrain.tracking import read_metrics
+from posttrain.train.sft import run_sft
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    domain = get_domain("arithmetic")
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(path, "w") as handle:
+        for task in sample_tasks(domain, 600, level=[2, 3], seed=0):
+            handle.write(json.dumps(domain.demonstration(task).to_dict()) + "\n")
+    return path
+
+
+def write_recipe(tmp_path: Path, data_file: Path, **sections) -> Path:
+    recipe = {
+        "stage": "sft",
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny-1m"},
+        "data": {"train": [{"path": str(data_file)}], "heldout_fraction": 0.05, "max_length": 128},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "train": {"batch_size": 16, "max_steps": 8, "log_every": 1},
+        "runtime": {"precision": "fp32", "num_threads": 1},
+        "tracking": {"tensorboard": False, "progress": False},
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+def test_sft_learns_and_writes_a_plain_hf_model(tmp_path, data_file):
+    recipe = load_recipe(write_recipe(tmp_path, data_file, train={"max_steps": 25}), schema=SFTRecipe)
+    result = run_sft(recipe)
+    losses = step_losses(result.output_dir)
+    assert losses[25] < losses[1] * 0.6
+    assert result.heldout_loss is not None and result.heldout_loss < losses[1]
+    assert AutoModelForCausalLM.from_pretrained(result.final_dir) is not None
+    assert (result.output_dir / "tensorboard").exists() is False  # tensorboard off in this recipe
+    assert (result.output_dir / "recipe.yaml").is_file()
+
+
+def test_resume_after_sigkill_continues_exactly(tmp_path, data_file):
+    reference_dir, crash_dir = tmp_path / "reference", tmp_path / "crash"
+    reference_dir.mkdir()
+    crash_dir.mkdir()
+    reference = write_recipe(reference_dir, data_file, train={"save_every": 3, "max_steps": 8})
+    crashing = write_recipe(crash_dir, data_file, train={"save_every": 3, "max_steps": 8})
+    command = [sys.executable, "-m", "posttrain.cli", "sft"]
+    subprocess.run([*command, str(reference)], check=True, capture_output=True)
+
+    process = subprocess.Popen([*command, str(crashing)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = crash_dir / "run" / "checkpoints" / "step-000003"
+    deadline = time.monotonic() + 300
+    while not (checkpoint / "training_state.pt").exists() and process.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (crash_dir / "run" / "final").exists()  # it really died mid-run
+
+    resumed = subprocess.run([*command, str(crashing), "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+    expected, got = step_losses(reference_dir / "run"), step_losses(crash_dir / "run")
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step in range(4, 9):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "posttrain.cli", *args], capture_output=True, text=True)
+
+
+def test_bad_input_is_one_line_with_file_line_and_field(tmp_path, data_file):
+    broken = tmp_path / "broken.jsonl"
+    lines = data_file.read_text().splitlines()[:5]
+    record = json.loads(lines[2])
+    record["messages"][0]["role"] = "bot"
+    lines[2] = json.dumps(record)
+    lines.insert(4, "{not json")
+    broken.write_text("\n".join(lines) + "\n")
+    result = run_cli("sft", str(write_recipe(tmp_path, broken)))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"{broken}:3: messages[0].role: expected one of system, user, assistant, tool, got 'bot'" in result.stderr
+
+    missing = run_cli("sft", str(write_recipe(tmp_path, tmp_path / "nowhere.jsonl")))
+    assert missing.returncode == 2 and "nowhere.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+
+    no_model = run_cli("sft", str(write_recipe(tmp_path, data_file)), f"model.path={tmp_path / 'no-model'}")
+    assert no_model.returncode == 2 and "model.path" in no_model.stderr and "not a local directory" in no_model.stderr
+
+    debug = run_cli("--debug", "sft", str(write_recipe(tmp_path, tmp_path / "nowhere.jsonl")))
+    assert "Traceback" in debug.stderr
+
+
+def test_skip_invalid_records_writes_rejects_and_keeps_going(tmp_path, data_file):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(data_file.read_text() + '{"messages": []}\n')
+    recipe = load_recipe(write_recipe(tmp_path, broken, data={"on_invalid": "skip"}, train={"max_steps": 1}),
+                         schema=SFTRecipe)
+    result = run_sft(recipe)
+    rejects = (result.output_dir / "rejects.jsonl").read_text().splitlines()
+    assert len(rejects) == 1 and json.loads(rejects[0])["line"] == 601
+    assert result.data_report["rejected"] == 1
+
+
+def test_lora_sft_saves_a_merged_plain_model(tmp_path, data_file):
+    recipe = load_recipe(write_recipe(tmp_path, data_file, model={"lora": {"enabled": True, "r": 4}},
+                                      train={"max_steps": 3, "save_every": 2}), schema=SFTRecipe)
+    result = run_sft(recipe)
+    assert not (result.final_dir / "adapter_config.json").exists()
+    assert (result.output_dir / "checkpoints" / "step-000003" / "adapter" / "adapter_config.json").is_file()
+    assert AutoModelForCausalLM.from_pretrained(result.final_dir) is not None
