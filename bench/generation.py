@@ -89,10 +89,12 @@ def train(model, tokenizer, steps: int) -> None:
     pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(32 * steps)]
     texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"What is {a} + {b}?"},
-             {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."}],
+            [
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": f"{a} + {b} = {a + b}. The answer is {a + b}."},
+            ],
             tokenize=False,
-        )  # fmt: skip
+        )
         for a, b in pairs
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -116,11 +118,11 @@ def logprob_gap(engine: HFEngine, model, prompts: list[list[int]]) -> dict:
         for completion in group:
             ids = torch.tensor([prompt + completion.token_ids])
             target = torch.tensor(completion.token_ids)[:, None]
-            for trainer in gaps:
+            for trainer, values in gaps.items():
                 with torch.inference_mode(), precision_context(trainer):
                     logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
                 reference = torch.log_softmax(logits, dim=-1).gather(-1, target).squeeze(-1)
-                gaps[trainer].append((reference - torch.tensor(completion.logprobs)).abs())
+                values.append((reference - torch.tensor(completion.logprobs)).abs())
     summary = {}
     for trainer, values in gaps.items():
         joined = torch.cat(values)

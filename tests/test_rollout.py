@@ -86,7 +86,7 @@ def test_other_architectures_match_teacher_forcing(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     vocab = len(tokenizer)
-    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    shape = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
     models = {
         "fast": [  # grouped-query attention, qkv biases (Qwen2), per-head q/k norms (Qwen3)
             Qwen2ForCausalLM(Qwen2Config(**shape, num_attention_heads=4, num_key_value_heads=2)),
@@ -191,7 +191,7 @@ def test_seeds_reproduce_and_do_not_depend_on_batching(model, tokenizer):
     big, small = HFEngine(model, tokenizer), HFEngine(model, tokenizer, max_batch_size=4)
     first, again = big.generate(reqs, sampling), big.generate(reqs, sampling)
     chunked = small.generate(reqs, sampling)  # one prompt's group per chunk
-    ids = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    ids = lambda groups: [[c.token_ids for c in g] for g in groups]
     assert ids(first) == ids(again) == ids(chunked)
     assert ids(first) != ids(big.generate(reqs, dataclasses.replace(sampling, seed=12)))
     assert len({tuple(c.token_ids) for c in first[0]}) > 1  # the n samples of a group differ
@@ -238,6 +238,9 @@ def test_update_weights_in_place_tags_versions_and_rejects_bad_states(model, tok
 def test_lora_weights_reach_the_engine_merged(model, tokenizer):
     import copy
 
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     from posttrain.config import LoraConfig
     from posttrain.models import apply_lora, merged_copy
 
@@ -246,6 +249,13 @@ def test_lora_weights_reach_the_engine_merged(model, tokenizer):
         for name, parameter in trainer.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
+    # A trained head kept whole (`modules_to_save`) comes through as that layer's weight.
+    saved_config = PeftLoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    saved = get_peft_model(copy.deepcopy(model), saved_config)
+    with torch.no_grad():
+        saved.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    state = state_for_engine(saved)
+    assert torch.equal(state["lm_head.weight"], model.lm_head.weight + 1.0) and "model.norm.weight" in state
     engine = HFEngine(copy.deepcopy(model), tokenizer)
     engine.update_weights(state_for_engine(trainer), version=1)
     reference = merged_copy(trainer)
@@ -264,6 +274,17 @@ def test_bf16_autocast_logprobs_stay_close(model, tokenizer):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_gap = max_gap(model, reqs, groups, 1.0)  # vs a trainer under the same autocast
     assert autocast_gap < gap
+
+
+def test_engine_threads_apply_to_the_generating_thread_only(model, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = HFEngine(model, tokenizer, num_threads=1)
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(1) as worker:
+        worker.submit(engine.generate, requests(tokenizer), SamplingParams(max_new_tokens=2)).result()
+        assert worker.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before
 
 
 def test_bad_requests_raise_clear_errors(model, tokenizer):

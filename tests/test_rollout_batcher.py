@@ -50,9 +50,7 @@ def test_incompatible_sampling_goes_in_separate_batches(engine):
 
     async def episodes():
         async with AsyncBatcher(engine, max_wait_s=0.05) as batcher:
-            results = await asyncio.gather(
-                *(batcher.generate(r, cold if i % 2 else hot) for i, r in enumerate(reqs))
-            )
+            results = await asyncio.gather(*(batcher.generate(r, cold if i % 2 else hot) for i, r in enumerate(reqs)))
             return results, batcher.stats
 
     results, stats = asyncio.run(episodes())

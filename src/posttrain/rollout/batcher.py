@@ -17,9 +17,9 @@ import asyncio
 import dataclasses
 import inspect
 import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Hashable
 
 from posttrain.types import Completion, GenerationRequest, InferenceEngine, SamplingParams
 
@@ -83,7 +83,7 @@ class AsyncBatcher:
     async def __aenter__(self) -> AsyncBatcher:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # ---- internals ----------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -108,6 +109,8 @@ class HFEngine:
     weights with `update_weights`. ``autocast`` (e.g. ``"bfloat16"``) runs the matmuls in that dtype with
     the parameters as they are — the numerics of a trainer under `torch.autocast`. ``runner`` picks the
     model maths: ``"auto"`` (the fast decoder when the architecture allows), ``"fast"`` or ``"generic"``.
+    ``num_threads`` sets torch's intra-op threads for the thread that runs `generate` (per thread in torch's
+    OpenMP builds), so a rollout thread and a training thread can split the cores instead of oversubscribing.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class HFEngine:
         max_batch_size: int = 64,
         policy_version: int = 0,
         runner: Literal["auto", "fast", "generic"] = "auto",
+        num_threads: int | None = None,
     ):
         if hasattr(model, "peft_config"):
             raise RolloutError(
@@ -139,6 +143,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.autocast = _dtype(autocast, "autocast")
         self.max_batch_size = max_batch_size
+        self.num_threads = num_threads
         self.device = next(model.parameters()).device
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -188,6 +193,8 @@ class HFEngine:
         limits = [self._room(i, r, prompt, sampling) for i, (r, prompt) in enumerate(zip(requests, prompts))]
         streams = self._streams(len(requests), sampling, request_seeds)
         started = time.perf_counter()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
         with self._lock, torch.inference_mode():
             version = self._version
             results: list[list[Completion]] = [[] for _ in requests]

@@ -20,7 +20,8 @@ its id in ``stop_token_ids``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from posttrain.types import SamplingParams
 

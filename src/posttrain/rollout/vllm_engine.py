@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.sampling import check_sampling, stream_seed
@@ -123,13 +124,13 @@ class VLLMEngine:
         request_seeds: Sequence[int | None] | None = None,
     ) -> list[list[Completion]]:
         check_sampling(sampling)
-        if (sampling.top_k > 0 or sampling.top_p < 1) and sampling.temperature > 0:
-            if not self.allow_truncated_logprobs:
-                raise RolloutError(
-                    "VLLMEngine: with top_k/top_p vLLM reports the truncated distribution's logprobs, not the "
-                    "contract's log_softmax(logits / T); use top_k=0, top_p=1, or build the engine with "
-                    "allow_truncated_logprobs=True"
-                )
+        truncated = (sampling.top_k > 0 or sampling.top_p < 1) and sampling.temperature > 0
+        if truncated and not self.allow_truncated_logprobs:
+            raise RolloutError(
+                "VLLMEngine: with top_k/top_p vLLM reports the truncated distribution's logprobs, not the "
+                "contract's log_softmax(logits / T); use top_k=0, top_p=1, or build the engine with "
+                "allow_truncated_logprobs=True"
+            )
         if request_seeds is not None and len(request_seeds) != len(requests):
             raise RolloutError(f"request_seeds has {len(request_seeds)} entries for {len(requests)} requests")
         rule = StopRule(self.tokenizer, self.eos_ids, sampling)
@@ -181,4 +182,3 @@ def _meta_model(path: str) -> Any:
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
-

@@ -13,7 +13,8 @@ leaves the engine as it was.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -89,21 +90,23 @@ def state_for_engine(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights an engine should serve for `model`: its state dict, with a PEFT LoRA adapter merged in.
 
     For a PEFT model each LoRA layer's base weight becomes ``W + delta`` (peft's ``get_delta_weight`` for the
-    active adapters), named without the PEFT wrappers; the adapter tensors are left out. The trainer's model
-    is not modified and not copied (only the merged weights are new tensors).
+    active adapters), a ``modules_to_save`` layer contributes its trained copy, and every name loses the PEFT
+    wrappers; the adapter tensors are left out. The trainer's model is neither modified nor copied (only the
+    merged weights are new tensors).
     """
     state = model.state_dict()
     if not hasattr(model, "peft_config"):
         return {name: tensor.detach() for name, tensor in state.items()}
+    adapter = getattr(model, "active_adapter", "default")
     merged: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if _LORA.search(name):
+        if _LORA.search(name) or ".original_module." in name:
             continue
         tensor = tensor.detach()
         if name.endswith(".base_layer.weight"):
             layer = model.get_submodule(name[: -len(".base_layer.weight")])
             tensor = tensor + _lora_delta(layer, name)
-        merged[canonical_name(name)] = tensor
+        merged[canonical_name(name.replace(f".modules_to_save.{adapter}.", "."))] = tensor
     return merged
 
 
