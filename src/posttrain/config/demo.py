@@ -15,6 +15,7 @@ from pydantic import Field
 
 from posttrain.config.common import Section
 from posttrain.config.load import recipe
+from posttrain.config.rl import RLRecipe
 from posttrain.config.sft import SFTRecipe
 
 
@@ -44,4 +45,5 @@ class DemoRecipe(Section):
     stages: list[str] = ["sft"]  # in order; later issues add dpo, rl, sft_control, report
     domains: list[DemoDomain] = [DemoDomain(name="arithmetic", sft_levels=[1, 2, 3], heldout_levels=[3])]
     sft: SFTRecipe = SFTRecipe()
+    rl: RLRecipe = RLRecipe()
     eval: DemoEval = DemoEval()

@@ -35,6 +35,7 @@ class DemoRun:
     recipe: DemoRecipe
     root: Path
     summary: dict[str, Any] = field(default_factory=lambda: {"stages": {}})
+    resume: bool = False  # a stage interrupted last time continues from its checkpoint
 
     @property
     def base_dir(self) -> Path:
@@ -46,6 +47,13 @@ class DemoRun:
 
     def model_after(self, stage: str) -> Path:
         return self.root / stage / "final"
+
+    def latest_policy(self, stages: tuple[str, ...] = ("rl", "dpo", "sft")) -> tuple[str, Path]:
+        """The newest trained model among `stages` (in that order of preference) that has finished."""
+        for stage in stages:
+            if stage in self.summary["stages"] and self.model_after(stage).is_dir():
+                return stage, self.model_after(stage)
+        return "base", self.base_dir
 
     def record(self, stage: str, figures: dict[str, Any]) -> None:
         self.summary["stages"][stage] = figures
@@ -71,7 +79,7 @@ def run_demo(recipe: DemoRecipe, *, resume: bool = False) -> dict[str, Any]:
         say(f"[demo] starting fresh: clearing {root} (use --resume to continue it instead)")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    run = DemoRun(recipe, root)
+    run = DemoRun(recipe, root, resume=resume)
     if resume and (root / SUMMARY).is_file():
         run.summary = json.loads((root / SUMMARY).read_text())
     for name in ["base", *recipe.stages]:

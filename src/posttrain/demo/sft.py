@@ -18,7 +18,7 @@ def sft(run: DemoRun) -> dict[str, Any]:
     recipe.model.path = str(run.base_dir)
     recipe.data.train = [source(run.data_dir / SFT_FILE)]
     recipe.runtime.seed = run.recipe.seed
-    result = run_sft(recipe, resume=True)
+    result = run_sft(recipe, resume=run.resume)
     accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
                                    max_new_tokens=run.recipe.eval.max_new_tokens,
                                    batch_size=run.recipe.eval.batch_size)

@@ -1,0 +1,97 @@
+"""Demo stage `report`: every stage's checkpoint on the demo's suites, side by side, in runs/demo/report.html.
+
+The checkpoints are ``runs/demo/<stage>/final`` for each finished stage that has one (sft, dpo, rl ...), in the
+order they ran. The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
+of the same size from the same held-out split (new seed), and the safety domain (generated here when the demo
+does not train on it). The contamination check runs against the SFT demonstrations, any preference pairs in
+the data directory and the RL runs' episodes; the training curves come from each stage's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from posttrain.config import EvalRecipe
+from posttrain.demo.base import SFT_FILE, heldout_file
+from posttrain.demo.pipeline import DemoRun, demo_stage
+from posttrain.tracking import say
+from posttrain.types import Task
+
+REPORT_FILE = "report.html"
+RESULTS_FILE = "report.json"
+SAFETY = "safety"
+SAFETY_LEVELS = [1, 2, 3]
+SAFETY_ITEMS = 100
+PREFERENCE_PATTERNS = ("*pairs*.jsonl", "*preference*.jsonl")
+# Episodes wait for their batch on a shared 2-core CPU; queueing is not the model's timeout.
+TIMEOUT_SCALE = 3.0
+
+
+@demo_stage("report")
+def report(run: DemoRun) -> dict[str, Any]:
+    from posttrain.evaluate import evaluate
+
+    stages = [name for name in run.summary["stages"] if run.model_after(name).is_dir()]
+    if not stages:
+        say("[demo] report: no stage left a checkpoint (runs/demo/<stage>/final); nothing to evaluate")
+        return {"checkpoints": []}
+    recipe = report_recipe(run, stages)
+    result = evaluate(recipe, suites=demo_suites(run, recipe.fresh_draw.seed or 0), report_name=REPORT_FILE,
+                      results_name=RESULTS_FILE)
+    say(f"[demo] report: {result.report_path}")
+    return summary_figures(result.results, stages, str(result.report_path), str(result.results_path))
+
+
+def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
+    root = run.root
+    episodes = [str(root / stage) for stage in stages if (root / stage / "episodes.jsonl").is_file()]
+    pairs = sorted({str(p) for pattern in PREFERENCE_PATTERNS for p in run.data_dir.glob(pattern)})
+    sft = [{"path": str(run.data_dir / SFT_FILE)}] if (run.data_dir / SFT_FILE).is_file() else []
+    curves = [{"path": str(root / stage), "label": stage} for stage in stages if (root / stage / "metrics.jsonl").is_file()]
+    return EvalRecipe.model_validate({
+        "output_dir": str(root),
+        "checkpoints": [{"path": str(run.model_after(stage)), "label": stage} for stage in stages],
+        "sampling": {"max_new_tokens": run.recipe.eval.max_new_tokens},
+        "contamination": {"sft": sft, "preferences": [{"path": p} for p in pairs], "rl_episodes": episodes},
+        "fresh_draw": {"seed": run.recipe.seed + 7919},
+        "runtime": {"batch_size": run.recipe.eval.batch_size, "timeout_scale": TIMEOUT_SCALE},
+        "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves},
+    })
+
+
+def demo_suites(run: DemoRun, fresh_seed: int) -> list:
+    """Each demo domain's saved held-out set and a fresh draw beside it; safety too, generated if need be."""
+    from posttrain.config import GeneratedSuite
+    from posttrain.evaluate import fresh_draw, generated_suite, tasks_suite
+
+    suites = []
+    for spec in run.recipe.domains:
+        path = run.data_dir / heldout_file(spec.name)
+        tasks = [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        fixed = tasks_suite(spec.name, tasks, domain_args=spec.args, seed=run.recipe.seed)
+        suites += [fixed, fresh_draw(fixed, spec.name, spec.heldout_levels, fresh_seed)]
+    if not any(spec.name == SAFETY for spec in run.recipe.domains):
+        fixed = generated_suite(GeneratedSuite(domain=SAFETY, levels=SAFETY_LEVELS, n=SAFETY_ITEMS,
+                                               seed=run.recipe.seed))
+        suites += [fixed, fresh_draw(fixed, SAFETY, SAFETY_LEVELS, fresh_seed)]
+    return suites
+
+
+def summary_figures(results: dict[str, Any], stages: list[str], report_path: str, results_path: str
+                    ) -> dict[str, Any]:
+    """What summary.json keeps: pass@1 per stage and suite, safety, the fresh-draw gap, contamination."""
+    metrics = results["metrics"]
+    return {
+        "report": report_path,
+        "results": results_path,
+        "checkpoints": stages,
+        "pass@1": {stage: {suite: figures["overall"]["pass@1"] for suite, figures in metrics[stage].items()}
+                   for stage in stages},
+        "safety": {stage: {suite: figures["safety"] for suite, figures in metrics[stage].items() if "safety" in figures}
+                   for stage in stages},
+        "fresh_gap": {f'{row["checkpoint"]}/{row["group"]}': row["gap"] for row in results["fresh_gap"]},
+        "contaminated_items": results["contamination"]["count"],
+        "eval_seconds": results["seconds"],
+        "items_per_s": {c["label"]: c["items_per_s"] for c in results["checkpoints"]},
+    }
