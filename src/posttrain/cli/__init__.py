@@ -22,6 +22,8 @@ from posttrain.types import PosttrainError
 # `posttrain --help` is instant.
 STAGES: dict[str, tuple[str, str]] = {
     "sft": ("supervised fine-tuning on chat data with metadata", "posttrain.cli.stages:sft"),
+    "dpo": ("preference optimization on pairs: DPO, conservative DPO, IPO, SimPO", "posttrain.cli.stages:dpo"),
+    "rm": ("a Bradley-Terry reward model on preference pairs", "posttrain.cli.stages:rm"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttrain.config import SFTRecipe, load_recipe
+from posttrain.config import DPORecipe, RMRecipe, SFTRecipe, load_recipe
 from posttrain.tracking import console
 
 
@@ -31,6 +31,40 @@ def sft(args: argparse.Namespace) -> int:
         + f"\n[sft] model: {result.final_dir}"
     )
     return 0
+
+
+def dpo(args: argparse.Namespace) -> int:
+    from posttrain.train.dpo import run_dpo
+
+    recipe = load_recipe(recipe_path(args.recipe), args.overrides, DPORecipe)
+    result = run_dpo(recipe, resume=args.resume)
+    console.print(
+        f"[dpo] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s; reference "
+        f"log-probs {result.reference_seconds:.0f}s), train loss {result.train_loss:.4f}"
+        + _heldout_line(result.heldout_start, result.heldout, "preference_accuracy", "loss")
+        + f"\n[dpo] model: {result.final_dir}"
+    )
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    from posttrain.train.reward_model import run_rm
+
+    recipe = load_recipe(recipe_path(args.recipe), args.overrides, RMRecipe)
+    result = run_rm(recipe, resume=args.resume)
+    console.print(
+        f"[rm] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s), "
+        f"train loss {result.train_loss:.4f}" + _heldout_line(result.heldout_start, result.heldout, "accuracy", "loss")
+        + f"\n[rm] reward model: {result.final_dir} (load with posttrain.train.reward_model.load_reward_model)"
+    )
+    return 0
+
+
+def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
+    if not end:
+        return ""
+    return (f", held-out {accuracy.replace('_', ' ')} {start.get(accuracy, float('nan')):.3f} -> {end[accuracy]:.3f}, "
+            f"{loss} {start.get(loss, float('nan')):.4f} -> {end[loss]:.4f}")
 
 
 def recipes(args: argparse.Namespace) -> int:

@@ -12,6 +12,14 @@ from posttrain.config.common import (
     Section,
     TrackingConfig,
 )
+from posttrain.config.dpo import (
+    DPOLossConfig,
+    DPORecipe,
+    PreferenceDataConfig,
+    PreferenceTrainConfig,
+    RewardModelConfig,
+    RMRecipe,
+)
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
 from posttrain.config.sft import (
     DataSource,
@@ -26,6 +34,8 @@ from posttrain.config.sft import (
 __all__ = [
     "RECIPES",
     "ConfigError",
+    "DPOLossConfig",
+    "DPORecipe",
     "DataSource",
     "DecontaminationConfig",
     "DedupConfig",
@@ -33,6 +43,10 @@ __all__ = [
     "MixConfig",
     "ModelConfig",
     "OptimConfig",
+    "PreferenceDataConfig",
+    "PreferenceTrainConfig",
+    "RMRecipe",
+    "RewardModelConfig",
     "RuntimeConfig",
     "SFTDataConfig",
     "SFTRecipe",
