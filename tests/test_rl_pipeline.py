@@ -72,6 +72,12 @@ def losses(result):
     return [(m["train/loss"], m["reward/mean"]) for m in result.history]
 
 
+def schedule_figures(result):
+    """The scheduler's per-batch snapshot (curriculum, mix, counters) and the dynamic-sampling counts."""
+    return [{k: v for k, v in m.items() if k.startswith(("curriculum/", "mix/", "schedule/", "dynamic/"))}
+            for m in result.history]
+
+
 def weights(directory):
     return load_file(str(directory / "model.safetensors"))
 
@@ -88,6 +94,7 @@ def test_overlapped_pipeline_equals_inline_loop_bit_for_bit(policy_dir, tmp_path
     inline = run_rl(recipe(policy_dir, tmp_path / "inline", max_staleness=staleness, overlap=False))
     threaded = run_rl(recipe(policy_dir, tmp_path / "threaded", max_staleness=staleness, overlap=True))
     assert losses(inline) == losses(threaded)
+    assert schedule_figures(inline) == schedule_figures(threaded) and "mix/trained/test_digits" in inline.history[-1]
     assert any(loss != 0.0 for loss, _ in losses(inline))  # the runs trained on something
     assert_same_weights(inline.final_dir, threaded.final_dir)
     assert [m["policy/staleness"] for m in inline.history] == [0, 0 if staleness == 0 else 1, staleness, staleness][
@@ -106,6 +113,7 @@ def test_resume_after_a_crash_continues_exactly(policy_dir, tmp_path):
     resumed = run_rl(recipe(policy_dir, tmp_path / "crashed", max_staleness=1), resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]
     assert losses(resumed) == losses(full)[2:]
+    assert schedule_figures(resumed) == schedule_figures(full)[2:]  # the scheduler's state resumed exactly
     assert_same_weights(full.final_dir, resumed.final_dir)
 
 

@@ -95,6 +95,160 @@ class RLTrainConfig(Section):
     keep_checkpoints: int = Field(2, gt=0)
 
 
+# ---- the task schedule (posttrain.schedule; every knob is documented in docs/schedule.md) -----------------
+
+
+class MixStage(Section):
+    """Domain weights for the batches before `until_step` (the last stage may leave it unset: to the end)."""
+
+    until_step: int | None = Field(None, gt=0)
+    weights: dict[str, float]  # domain name -> weight; domains left out get 0 in this stage
+
+    @model_validator(mode="after")
+    def _some_weight(self):
+        if any(weight < 0 for weight in self.weights.values()) or sum(self.weights.values()) <= 0:
+            raise ValueError(f"a stage's weights must be >= 0 and not all 0, got {self.weights}")
+        return self
+
+
+class MixingConfig(Section):
+    """Which share of the trained groups each domain gets."""
+
+    mode: Literal["static", "staged", "adaptive"] = "static"
+    stages: list[MixStage] = []  # staged: weights by step ranges
+    # adaptive: weights = prior weight * exp(adapt_rate * (score - mean score)), with score per domain the
+    # share of its groups that carry a learning signal ("learning_signal") or its failure rate ("worst_domain").
+    objective: Literal["learning_signal", "worst_domain"] = "learning_signal"
+    adapt_rate: float = Field(4.0, ge=0)
+    signal_ema: float = Field(0.8, ge=0, lt=1)  # weight of the old value in the per-domain signal averages
+    min_share: float = Field(0.05, ge=0, lt=1)  # adaptive: every domain keeps at least this share
+    # Sample a domain whose groups get filtered (dynamic sampling, infrastructure failures) more, so the
+    # shares that reach the trainer stay on target.
+    compensate_filtering: bool = True
+    min_keep_rate: float = Field(0.1, gt=0, le=1)  # compensation never samples more than 1/min_keep_rate times
+
+    @model_validator(mode="after")
+    def _stages_in_order(self):
+        if self.mode == "staged" and not self.stages:
+            raise ValueError("schedule.mixing.stages: staged mixing needs at least one stage")
+        ends = [stage.until_step for stage in self.stages]
+        if any(end is None for end in ends[:-1]):
+            raise ValueError("schedule.mixing.stages: only the last stage may leave until_step unset")
+        bounded = [end for end in ends if end is not None]
+        if bounded != sorted(set(bounded)):
+            raise ValueError(f"schedule.mixing.stages: until_step must increase, got {bounded}")
+        return self
+
+
+class CurriculumConfig(Section):
+    """Per-domain difficulty levels (within the domain's `levels`) driven by the measured pass rate."""
+
+    enabled: bool = True  # off: every fresh task's level is drawn uniformly from the domain's levels
+    upper: float = Field(0.8, gt=0, le=1)  # pass rate at the current level at or above which it moves up
+    lower: float = Field(0.2, ge=0, lt=1)  # ... at or below which it moves down
+    min_episodes: int = Field(32, gt=0)  # episodes at the current level since the last move before another
+    window: int = Field(128, gt=0)  # the pass rate is over the last `window` episodes at the current level
+    start: dict[str, int] = {}  # domain -> starting level (default: the domain's lowest level)
+
+    @model_validator(mode="after")
+    def _bands(self):
+        if self.lower >= self.upper:
+            raise ValueError(f"schedule.curriculum: lower ({self.lower}) must be below upper ({self.upper})")
+        if self.window < self.min_episodes:
+            raise ValueError("schedule.curriculum: window must be at least min_episodes")
+        return self
+
+
+class PriorityConfig(Section):
+    """Which task of a domain's candidate pool is drawn next, by its measured pass rate s."""
+
+    weighting: Literal["uniform", "variance", "failure"] = "variance"  # 4s(1-s) / 1-s / 1
+    floor: float = Field(0.05, gt=0, le=1)  # the least weight a task gets
+    pool_size: int = Field(32, gt=0)  # candidate tasks per domain (fresh ones top it up)
+    max_visits: int = Field(4, gt=0)  # groups a task gets before it leaves the pool
+    prior: float = Field(0.5, ge=0, le=1)  # pass rate assumed for a task never seen (before its level has data)
+    retire_pass_rate: float = Field(0.95, gt=0, le=1)  # a task passing this reliably is retired ...
+    retire_min_episodes: int = Field(8, gt=0)  # ... once it has this many episodes
+    reprobe_prob: float = Field(0.02, ge=0, le=1)  # chance a draw re-probes a retired task instead
+    max_retired: int = Field(1024, ge=0)  # retired tasks kept for re-probing (oldest forgotten first)
+
+
+class DynamicSamplingConfig(Section):
+    """Groups whose rewards are all equal carry no signal (zero advantage)."""
+
+    # drop them and refill the batch (DAPO) / keep them with zero advantage (the default: a batch is then never
+    # short, and a run behaves as without a scheduler; "drop" pays off once pass rates are near 0 or 1)
+    mode: Literal["drop", "keep"] = "keep"
+    max_extra_groups: float = Field(1.0, ge=0)  # cap on refill generation, a fraction of prompts_per_step
+    max_rounds: int = Field(4, gt=0)  # generation rounds per batch, the first included
+
+
+class RegressionSuite(Section):
+    """A general regression suite: held-out items of a domain the run need not train on."""
+
+    name: str
+    domain: str
+    args: dict[str, Any] = {}
+    levels: list[int] = [1]
+    count: int = Field(50, gt=0)
+
+
+class GuardConfig(Section):
+    """Forgetting guard: regression suites evaluated every `every` steps against their best."""
+
+    enabled: bool = True
+    every: int | None = Field(None, gt=0)  # steps between regression evaluations (default train.eval_every)
+    baseline: bool = True  # evaluate once before the first step, so the starting model sets the bar
+    threshold: float = Field(0.05, gt=0, le=1)  # a suite this far (absolute) below its best has regressed
+    recover: float = Field(0.02, ge=0, le=1)  # ... and has recovered when back within this of its best
+    action: Literal["weight", "replay", "both", "log"] = "both"
+    boost: float = Field(2.0, ge=1)  # a regressed domain's share is multiplied by this ...
+    boost_min_share: float = Field(0.1, ge=0, lt=1)  # ... and is at least this (an earlier domain now at 0)
+    replay_coef: float = Field(0.1, ge=0)  # weight of the replay SFT loss added to the RL loss
+    replay_samples: int = Field(8, gt=0)  # demonstrations per step, shared by the regressed domains
+    replay_max_length: int = Field(512, gt=8)
+    replay_reasoning: Literal["include", "drop"] = "include"  # as the SFT stage rendered reasoning traces
+    suites: list[RegressionSuite] = []  # general suites, beside every domain's held-out items
+
+    @model_validator(mode="after")
+    def _recover_inside_threshold(self):
+        if self.recover >= self.threshold:
+            raise ValueError("schedule.guard: recover must be below threshold (hysteresis)")
+        names = [suite.name for suite in self.suites]
+        if len(names) != len(set(names)):
+            raise ValueError(f"schedule.guard.suites: names must be unique, got {names}")
+        return self
+
+
+class AlarmConfig(Section):
+    """Collapse alarms on the training signals, and what the run does when one fires."""
+
+    enabled: bool = True
+    action: Literal["log", "rollback"] = "log"  # rollback: to the last good checkpoint, lr * lr_decay
+    warmup_steps: int = Field(10, ge=0)  # no alarm before this many steps (statistics settle)
+    ema: float = Field(0.9, ge=0, lt=1)  # weight of the old value in the monitored averages
+    spread_min_ratio: float = Field(0.25, ge=0, le=1)  # signal share below this x its peak: "spread_collapse"
+    entropy_min_ratio: float = Field(0.25, ge=0, le=1)  # entropy below this x its peak: "entropy_collapse"
+    spike_z: float = Field(8.0, ge=0)  # grad norm / loss beyond mean + z std: "grad_norm_spike" / "loss_spike"
+    hacking_reward_rise: float = Field(0.05, ge=0)  # train reward up this much since the last evaluation ...
+    hacking_heldout_drop: float = Field(0.05, ge=0)  # ... while held-out fell this much: "reward_hacking"
+    lr_decay: float = Field(0.5, gt=0, le=1)
+    max_rollbacks: int = Field(2, ge=0)
+
+
+class ScheduleConfig(Section):
+    mixing: MixingConfig = MixingConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    priority: PriorityConfig = PriorityConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    dedup_window: int = Field(4, ge=0)  # steps within which a task is not drawn again (0 = off)
+    infra_requeues: int = Field(2, ge=0)  # times a task whose group was lost to infrastructure is re-queued
+    stats_ema: float = Field(0.5, ge=0, lt=1)  # weight of the old value in a task's pass-rate average
+    max_tracked_tasks: int = Field(100_000, gt=0)  # per-task statistics kept (least recently seen dropped)
+    guard: GuardConfig = GuardConfig()
+    alarms: AlarmConfig = AlarmConfig()
+
+
 @recipe("rl")
 class RLRecipe(Section):
     stage: Literal["rl"] = "rl"
@@ -109,3 +263,28 @@ class RLRecipe(Section):
     train: RLTrainConfig = RLTrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+
+    @model_validator(mode="after")
+    def _schedule_names_domains(self):
+        names = [spec.name for spec in self.domains]
+        if len(names) != len(set(names)):
+            raise ValueError(f"domains: each domain may appear once, got {names}")
+        levels = {spec.name: spec.levels for spec in self.domains}
+        mixing = self.schedule.mixing
+        for index, stage in enumerate(mixing.stages):
+            for name in stage.weights:
+                if name not in levels:
+                    raise ValueError(f"schedule.mixing.stages.{index}.weights: unknown domain '{name}' "
+                                     f"(the recipe's domains: {', '.join(names)})")
+        if mixing.mode == "adaptive" and mixing.min_share * len(names) >= 1:
+            raise ValueError("schedule.mixing.min_share: the floors of all domains must leave room (< 1 in all)")
+        for name, level in self.schedule.curriculum.start.items():
+            if name not in levels:
+                raise ValueError(f"schedule.curriculum.start: unknown domain '{name}'")
+            if level not in levels[name]:
+                raise ValueError(f"schedule.curriculum.start.{name}: level {level} is not in {levels[name]}")
+        clash = {suite.name for suite in self.schedule.guard.suites} & set(names)
+        if clash:
+            raise ValueError(f"schedule.guard.suites: names {sorted(clash)} are domain names (held-out suites)")
+        return self

@@ -1,19 +1,23 @@
 """The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> (rollouts -> rewards ->
-advantages -> update -> weights to the engine)* -> checkpoint.
+advantages -> update -> weights to the engine -> guard)* -> checkpoint.
 
     posttrain rl recipe.yaml [--resume]
 
-Rollouts come from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness` versions), episodes
-from `posttrain.envs` (token-exact trajectories verified by each task's own verifier), tasks from a
-`posttrain.schedule` sampler. Infrastructure failures are retried by the episode loop and, if they persist,
+Rollouts come from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness` versions) through
+`rl.rollouts` (dynamic sampling), episodes from `posttrain.envs` (token-exact trajectories verified by each
+task's own verifier), tasks from a `posttrain.schedule` sampler (by default the `Scheduler` the recipe's
+`schedule:` section configures). Infrastructure failures are retried by the episode loop and, if they persist,
 masked out of the batch and counted — never trained on as a reward of 0.
+
+The guard (`rl.guarding`) evaluates regression suites every N steps; a regressed suite boosts its domain's
+share (from a batch index fixed in advance, so threaded and inline runs agree) and/or adds a replay SFT loss.
+A collapse alarm can, by recipe, roll the run back to the last good checkpoint with a lower learning rate.
+Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import hashlib
 import json
 import time
 from collections import defaultdict
@@ -40,20 +44,31 @@ from posttrain.models import (
     save_model_dir,
 )
 from posttrain.rl.advantages import compute_advantages, normalize_per_domain
+from posttrain.rl.guarding import (
+    RunGuard,
+    SuiteEvaluator,
+    regression_suites,
+    replay_sft_backward,
+    set_lr_scale,
+    suite_metrics,
+)
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
 from posttrain.rl.returns import episode_return
+from posttrain.rl.rollouts import BatchProducer, engine_rollout, sampling_params
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.rl.step import rl_update
-from posttrain.schedule import StaticMixture, TaskSampler
+from posttrain.schedule import ALARM_KINDS, DROPPED_KEY, Scheduler, TaskSampler, is_dropped
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.step import Runtime, prepare_model, setup_runtime
-from posttrain.types import FailureClass, SamplingParams, Task, Trajectory
+from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
+from posttrain.types import FailureClass, Task, Trajectory
 
 EPISODES_FILE = "episodes.jsonl"
 FAILURES_FILE = "failures.jsonl"
+EVENTS_FILE = "schedule_events.jsonl"
+SUMMARY_FILE = "schedule_summary.json"
 
 
 @dataclass
@@ -62,14 +77,38 @@ class RLResult:
     final_dir: Path
     steps: int
     seconds: float
-    heldout: dict[str, float] = field(default_factory=dict)
+    heldout: dict[str, float] = field(default_factory=dict)  # per domain, and "mean"
     history: list[dict[str, float]] = field(default_factory=list)
+    regression: dict[str, float] = field(default_factory=dict)  # general regression suites
+    curriculum: dict[str, int] = field(default_factory=dict)  # level per domain at the end
+    curriculum_peak: dict[str, int] = field(default_factory=dict)  # highest level reached per domain
+    mix_sampled: dict[str, float] = field(default_factory=dict)  # share of groups sampled, whole run
+    mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
+    events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
 
 
 @dataclass
 class _Cursor:
     step: int = 0  # optimizer steps taken == the policy version the trainer holds
     train_seconds: float = 0.0
+
+
+@dataclass
+class _Run:
+    """What the loop works on; a rollback swaps the pipeline."""
+
+    recipe: RLRecipe
+    output_dir: Path
+    model: Any
+    tokenizer: Any
+    engine: Any
+    optimizer: Any
+    scheduler: Any
+    base_lrs: list[float]
+    sampler: TaskSampler
+    guard: RunGuard
+    runtime: Runtime
+    pipeline: RolloutPipeline | None = None
 
 
 def run_rl(
@@ -93,20 +132,15 @@ def run_rl(
     reference = _make_reference(model, recipe, runtime) if recipe.algorithm.kl_coef > 0 else None
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, recipe.train.max_steps * recipe.train.updates_per_batch)
-    sampler = sampler or StaticMixture(recipe.domains, seed=recipe.runtime.seed)
-    heldout = heldout_tasks(recipe)
+    sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
+    suites = regression_suites(recipe)
+    run = _Run(recipe, output_dir, model, tokenizer, engine, optimizer, scheduler, list(scheduler.base_lrs),
+               sampler, RunGuard(recipe, suites), runtime)
 
     cursor, pending = _Cursor(), []
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
-        state = load_training_state(checkpoint)
-        load_weights_from_checkpoint(model, checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        cursor = _Cursor(**state["cursor"])
-        pending = [RolloutBatch.from_dict(b) for b in state["pending"]]
-        restore_rng(state["rng"])
+        cursor, pending = _restore(run, checkpoint)
         say(f"[rl] resumed from {checkpoint} at step {cursor.step}")
     engine.update_weights(engine_state(model), cursor.step)
 
@@ -120,16 +154,15 @@ def run_rl(
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
-    produce = _Producer(engine, sampler, tokenizer, recipe)
-    pipeline = RolloutPipeline(
-        produce, engine.update_weights, max_staleness=recipe.pipeline.max_staleness,
-        overlap=recipe.pipeline.overlap,
-        start_index=cursor.step, start_version=cursor.step, engine_version=cursor.step, pending=pending,
-        thread_setup=_thread_budget(recipe.rollout.engine_threads),
-    )
+    evaluator = SuiteEvaluator(model, tokenizer, suites, recipe.rollout.sampling.max_new_tokens,
+                               lambda: _make_engine(model, tokenizer, runtime, recipe))
     history: list[dict[str, float]] = []
     episodes_log = open(output_dir / EPISODES_FILE, "a", encoding="utf-8")
-    evaluator = _HeldoutEvaluator(model, tokenizer, runtime, recipe, heldout)
+    events_log = open(output_dir / EVENTS_FILE, "a", encoding="utf-8")
+    if checkpoint is None and run.guard.wants_baseline():
+        baseline, _ = _evaluate(run, evaluator, 0, events_log)
+        tracker.log(baseline, step=0)
+    run.pipeline = _start_pipeline(run, cursor, pending)
     try:
         tracker.start_progress(recipe.train.max_steps, done=cursor.step)
         while cursor.step < recipe.train.max_steps:
@@ -137,42 +170,166 @@ def run_rl(
                 say(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
                 break
             started = time.perf_counter()
-            batch = pipeline.next_batch()
+            batch = run.pipeline.next_batch()
+            replay = run.guard.replay_batch(cursor.step)
             metrics = _train_on(batch, cursor.step, model, optimizer, scheduler, tokenizer, runtime, recipe,
-                                reference)
+                                reference, replay)
             cursor.step += 1
             # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
-            pipeline.publish_weights(cursor.step, engine_state(model, copy=recipe.pipeline.max_staleness > 0))
+            run.pipeline.publish_weights(cursor.step, engine_state(model, copy=recipe.pipeline.max_staleness > 0))
             _log_episodes(episodes_log, batch)
             metrics["time/step_s"] = time.perf_counter() - started
             cursor.train_seconds += metrics["time/step_s"]
-            metrics.update(sampler.report())
-            if recipe.train.eval_every and cursor.step % recipe.train.eval_every == 0:
-                metrics.update({f"heldout/{k}": v for k, v in evaluator(cursor.step).items()})
+            metrics.update(batch_schedule_metrics(batch))
+            events: list[dict[str, Any]] = []
+            if run.guard.evaluates_at(cursor.step):
+                eval_metrics, events = _evaluate(run, evaluator, cursor.step, events_log)
+                metrics.update(eval_metrics)
+            events += _report_events(run.guard.after_step(cursor.step, metrics), events_log)
+            alarms = [event for event in events if event["kind"] in ALARM_KINDS]
+            metrics.update(run.guard.metrics())
+            metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"reward {metrics.get('reward/mean', 0):.3f}")
             history.append(metrics)
-            if recipe.train.save_every and cursor.step % recipe.train.save_every == 0:
-                _save(output_dir, recipe, model, tokenizer, optimizer, scheduler, sampler, pipeline, cursor)
-            if on_step is not None and on_step(cursor.step, metrics):
+            step = cursor.step
+            if run.guard.should_roll_back(alarms):
+                cursor = _roll_back(run, cursor, events_log)
+            elif recipe.train.save_every and step % recipe.train.save_every == 0:
+                _save(run, cursor)
+                run.guard.mark_saved(step, alarms)
+            if on_step is not None and on_step(step, metrics):
                 break
-        _save(output_dir, recipe, model, tokenizer, optimizer, scheduler, sampler, pipeline, cursor)
+        _save(run, cursor)
         final_dir = save_model_dir(output_dir / "final", model, tokenizer, merge_lora=True)
-        final = evaluator(cursor.step) if heldout else {}
+        final = evaluator(cursor.step) if suites else {}
         if final:
-            tracker.log({f"heldout/{k}": v for k, v in final.items()}, step=cursor.step)
+            tracker.log(suite_metrics(recipe, final), step=cursor.step)
     finally:
-        pipeline.close()
+        run.pipeline.close()
         episodes_log.close()
+        events_log.close()
         tracker.close()
-    return RLResult(output_dir, final_dir, cursor.step, cursor.train_seconds, final, history)
+    result = _result(run, cursor, final_dir, final, history)
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(_summary(result), indent=2) + "\n")
+    return result
+
+
+def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> RolloutPipeline:
+    recipe = run.recipe
+    produce = BatchProducer(
+        engine_rollout(run.engine, run.tokenizer, recipe), run.sampler,
+        prompts_per_step=recipe.rollout.prompts_per_step, sampling=sampling_params(recipe),
+        seed=recipe.runtime.seed, dynamic=recipe.schedule.dynamic_sampling, attempt=run.guard.rollbacks,
+    )
+    return RolloutPipeline(
+        produce, run.engine.update_weights, max_staleness=recipe.pipeline.max_staleness,
+        overlap=recipe.pipeline.overlap,
+        start_index=cursor.step, start_version=cursor.step, engine_version=cursor.step, pending=pending,
+        thread_setup=_thread_budget(recipe.rollout.engine_threads),
+    )
+
+
+def _evaluate(run: _Run, evaluator: SuiteEvaluator, step: int, events_log
+              ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Evaluate the suites, feed the guard, and hand its boosts to the sampler from a fixed batch index on."""
+    results = evaluator(step)
+    before = run.guard.forgetting.boosted_domains()
+    events = _report_events(run.guard.after_eval(step, results), events_log)
+    boosted = run.guard.forgetting.boosted_domains()
+    if boosted != before and hasattr(run.sampler, "boost_domains"):
+        # The producer may already be drawing batches up to step + max_staleness: the boost starts after them.
+        run.sampler.boost_domains(boosted, step + run.recipe.pipeline.max_staleness + 1)
+    metrics = suite_metrics(run.recipe, results)
+    metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
+    return metrics, events
+
+
+def _roll_back(run: _Run, cursor: _Cursor, events_log) -> _Cursor:
+    """Back to the last good checkpoint (if one is left) with the learning rate lowered; says so."""
+    target, target_step = run.guard.rollback_target(run.output_dir)
+    _report_events([run.guard.begin_rollback(cursor.step, target_step)], events_log)
+    if target is None:
+        set_lr_scale(run.optimizer, run.scheduler, run.base_lrs, run.guard.lr_scale)
+        return cursor
+    run.pipeline.close()
+    # The checkpoint's pending batches are dropped: trained again from the same weights they would repeat the
+    # very step that raised the alarm. The sampler goes on from its checkpointed state with fresh seeds.
+    restored, _ = _restore(run, target, keep_history=True)
+    restored.train_seconds = cursor.train_seconds  # the time budget counts the discarded steps too
+    run.engine.update_weights(engine_state(run.model), restored.step)
+    run.pipeline = _start_pipeline(run, restored, [])
+    return restored
+
+
+def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
+    state = load_training_state(checkpoint)
+    load_weights_from_checkpoint(run.model, checkpoint)
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.sampler.load_state_dict(state["sampler"])
+    if "guard" in state:
+        run.guard.load_state_dict(state["guard"], keep_history=keep_history)
+    if run.guard.lr_scale != 1.0:
+        set_lr_scale(run.optimizer, run.scheduler, run.base_lrs, run.guard.lr_scale)
+    restore_rng(state["rng"])
+    return _Cursor(**state["cursor"]), [RolloutBatch.from_dict(b) for b in state["pending"]]
+
+
+def _report_events(events: list[dict[str, Any]], events_log) -> list[dict[str, Any]]:
+    for event in events:
+        say(f"[rl] {describe_event(event)}")
+        events_log.write(json.dumps(event) + "\n")
+    events_log.flush()
+    return events
+
+
+def describe_event(event: dict[str, Any]) -> str:
+    kind, step = event["kind"], event["step"]
+    if kind == "regression":
+        return (f"step {step}: guard: suite '{event['suite']}' fell to {event['value']:.3f} (best {event['best']:.3f} "
+                f"at step {event['best_step']}); action: {', '.join(event['actions'])}")
+    if kind == "recovered":
+        return f"step {step}: guard: suite '{event['suite']}' recovered to {event['value']:.3f}"
+    if kind == "rollback":
+        return (f"step {step}: rolled back to the checkpoint of step {event['to_step']}, learning rate now "
+                f"x{event['lr_scale']:g} (rollback {event['rollbacks']})")
+    if kind == "lr_decrease":
+        return f"step {step}: no good checkpoint to roll back to; learning rate now x{event['lr_scale']:g}"
+    return f"step {step}: alarm {kind}: {event['metric']} = {event['value']:.4g} (threshold {event['threshold']:.4g})"
+
+
+def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float],
+            history: list[dict[str, float]]) -> RLResult:
+    last = history[-1] if history else {}
+    names = [spec.name for spec in run.recipe.domains]
+
+    def per_domain(prefix: str, cast=float) -> dict[str, Any]:
+        return {name: cast(last[f"{prefix}/{name}"]) for name in names if f"{prefix}/{name}" in last}
+
+    metrics = suite_metrics(run.recipe, final)
+    return RLResult(
+        run.output_dir, final_dir, cursor.step, cursor.train_seconds,
+        heldout={k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")},
+        history=history,
+        regression={k.removeprefix("regression/"): v for k, v in metrics.items() if k.startswith("regression/")},
+        curriculum=per_domain("curriculum", int), curriculum_peak=per_domain("curriculum/peak", int),
+        mix_sampled=per_domain("mix/sampled"), mix_trained=per_domain("mix/trained"),
+        events=[dict(e) for e in run.guard.events],
+    )
+
+
+def _summary(result: RLResult) -> dict[str, Any]:
+    return {"steps": result.steps, "heldout": result.heldout, "regression": result.regression,
+            "curriculum": result.curriculum, "curriculum_peak": result.curriculum_peak,
+            "mix_sampled": result.mix_sampled, "mix_trained": result.mix_trained, "events": result.events}
 
 
 # ---- the batch -> update step --------------------------------------------------------------------------
 
 
 def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, tokenizer, runtime: Runtime,
-              recipe: RLRecipe, reference) -> dict[str, float]:
+              recipe: RLRecipe, reference, replay: list | None = None) -> dict[str, float]:
     usable, counts = select_trainable(batch.trajectories, step, recipe)
     returns, components = [], defaultdict(list)
     for trajectory in usable:
@@ -188,6 +345,13 @@ def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, token
                if not (recipe.returns.overlong == "mask" and t.truncated)]
     counts["overlong_masked"] = len(usable) - len(trained)
     started = time.perf_counter()
+    metrics: dict[str, float] = {}
+    if replay:
+        guard = recipe.schedule.guard
+        # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
+        metrics.update(replay_sft_backward(model, replay, tokenizer, runtime, coef=guard.replay_coef,
+                                           max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
+                                           micro_batch_size=recipe.train.micro_batch_size))
     stats = rl_update(
         model, optimizer, scheduler, [t for t, _ in trained], [a for _, a in trained],
         config=recipe.algorithm, runtime=runtime, pad_id=tokenizer.pad_token_id,
@@ -195,7 +359,9 @@ def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, token
         max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
         updates_per_batch=recipe.train.updates_per_batch, reference=reference,
     ) if trained else {}
-    metrics = {f"train/{k}": v for k, v in stats.items()}
+    if not trained and "guard/replay_loss" in metrics:
+        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
+    metrics.update({f"train/{k}": v for k, v in stats.items()})
     metrics["time/train_s"] = time.perf_counter() - started
     metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
     metrics.update(batch_metrics(batch.trajectories))
@@ -209,13 +375,17 @@ def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, token
 
 def select_trainable(trajectories: Sequence[Trajectory], step: int, recipe: RLRecipe
                      ) -> tuple[list[Trajectory], dict[str, int]]:
-    """Drop what must not be trained on: infrastructure failures (masked, never a 0 reward) and, by
-    recipe, trajectories older than `max_staleness` versions. Returns the rest and the counts."""
-    counts = {"episodes": len(trajectories), "infra_masked": 0, "stale_dropped": 0, "stale_kept": 0}
+    """Drop what must not be trained on: infrastructure failures (masked, never a 0 reward), groups the
+    producer dropped (no reward spread), and, by recipe, trajectories older than `max_staleness` versions.
+    Returns the rest and the counts."""
+    counts = {"episodes": len(trajectories), "infra_masked": 0, "filtered": 0, "stale_dropped": 0, "stale_kept": 0}
     usable = []
     for trajectory in trajectories:
         if trajectory.reward.is_infrastructure_failure:
             counts["infra_masked"] += 1
+            continue
+        if is_dropped(trajectory):
+            counts["filtered"] += 1
             continue
         if trajectory.policy_tokens == 0:
             continue
@@ -226,6 +396,13 @@ def select_trainable(trajectories: Sequence[Trajectory], step: int, recipe: RLRe
             counts["stale_kept"] += 1  # the behaviour ratio (clipped) reweights it
         usable.append(trajectory)
     return usable, counts
+
+
+def batch_schedule_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The producer's snapshot of the sampler (curriculum, mix, counters) and its dynamic-sampling counts."""
+    metrics = {f"dynamic/{k}": float(v) for k, v in batch.stats.get("dynamic", {}).items()}
+    metrics.update({k: float(v) for k, v in batch.stats.get("schedule", {}).items()})
+    return metrics
 
 
 def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -253,44 +430,6 @@ def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             failures[trajectory.reward.failure.value] += 1
     metrics.update({f"failures/{k}": float(v) for k, v in failures.items()})
     return metrics
-
-
-# ---- the producer (runs on the rollout side) --------------------------------------------------------------
-
-
-class _Producer:
-    """Produces the batch for step `index` with the engine at `version` (see `rl.pipeline`)."""
-
-    def __init__(self, engine, sampler: TaskSampler, tokenizer, recipe: RLRecipe):
-        self.engine, self.sampler, self.tokenizer, self.recipe = engine, sampler, tokenizer, recipe
-
-    def __call__(self, index: int, version: int) -> RolloutBatch:
-        rollout = self.recipe.rollout
-        started = time.perf_counter()
-        tasks = self.sampler.next_batch(rollout.prompts_per_step)
-        sampling = SamplingParams(
-            max_new_tokens=rollout.sampling.max_new_tokens, temperature=rollout.sampling.temperature,
-            top_p=rollout.sampling.top_p, top_k=rollout.sampling.top_k,
-            seed=batch_seed(self.recipe.runtime.seed, index),
-        )
-        trajectories = asyncio.run(self._collect(tasks, sampling))
-        self.sampler.observe(trajectories, index)
-        return RolloutBatch(index, version, trajectories, timings={"rollout_s": time.perf_counter() - started})
-
-    async def _collect(self, tasks: list[Task], sampling: SamplingParams) -> list[Trajectory]:
-        from posttrain.envs import rollout_many
-        from posttrain.rollout import AsyncBatcher
-
-        rollout = self.recipe.rollout
-        async with AsyncBatcher(self.engine) as batcher:
-            return await rollout_many(
-                batcher, tasks, self.tokenizer, sampling, n=rollout.sampling.group_size,
-                max_concurrency=rollout.max_concurrent_episodes, infra_retries=rollout.infra_retries,
-            )
-
-
-def batch_seed(seed: int, index: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"rl:{seed}:{index}".encode()).digest()[:4], "big")
 
 
 # ---- engine, reference, evaluation -----------------------------------------------------------------------
@@ -347,16 +486,6 @@ def _train_temperature(recipe: RLRecipe) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def heldout_tasks(recipe: RLRecipe) -> list[Task]:
-    tasks = []
-    for index, spec in enumerate(recipe.domains):
-        if spec.heldout:
-            domain = get_domain(spec.name, **spec.args)
-            tasks += sample_tasks(domain, spec.heldout, level=spec.levels, split="heldout",
-                                  seed=recipe.runtime.seed + 1000 + index)
-    return tasks
-
-
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
     """A few fixed train tasks for the self-test (drawn apart from the run's own sampler)."""
     tasks = []
@@ -365,43 +494,17 @@ def sampler_preview(recipe: RLRecipe) -> list[Task]:
     return tasks
 
 
-class _HeldoutEvaluator:
-    """Greedy pass rate per domain on the held-out tasks, on an engine of its own (the rollout engine may be
-    a version behind)."""
-
-    def __init__(self, model, tokenizer, runtime: Runtime, recipe: RLRecipe, tasks: list[Task]):
-        self.model, self.tokenizer, self.runtime, self.recipe, self.tasks = model, tokenizer, runtime, recipe, tasks
-        self._engine = None
-
-    def __call__(self, version: int) -> dict[str, float]:
-        if not self.tasks:
-            return {}
-        from posttrain.envs import run_episodes
-
-        if self._engine is None:
-            self._engine = _make_engine(self.model, self.tokenizer, self.runtime, self.recipe)
-        self._engine.update_weights(engine_state(self.model), version)
-        sampling = SamplingParams(max_new_tokens=self.recipe.rollout.sampling.max_new_tokens, temperature=0.0)
-        trajectories = run_episodes(self._engine, self.tasks, self.tokenizer, sampling)
-        passed: dict[str, list[bool]] = defaultdict(list)
-        for trajectory in trajectories:
-            passed[trajectory.domain].append(trajectory.reward.passed)
-        result = {domain: sum(v) / len(v) for domain, v in sorted(passed.items())}
-        result["mean"] = sum(result.values()) / len(result)
-        return result
-
-
 # ---- checkpoints and logs -------------------------------------------------------------------------------
 
 
-def _save(output_dir, recipe: RLRecipe, model, tokenizer, optimizer, scheduler, sampler: TaskSampler,
-          pipeline: RolloutPipeline, cursor: _Cursor) -> None:
+def _save(run: _Run, cursor: _Cursor) -> None:
     # Taken between two batches, so the sampler's state and the pending batches agree.
-    pending, sampler_state = pipeline.checkpoint_state(lambda: copy.deepcopy(sampler.state_dict()))
-    save_checkpoint(output_dir, cursor.step, model, tokenizer, {
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "cursor": vars(cursor).copy(),
-        "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
-    }, keep=recipe.train.keep_checkpoints)
+    pending, sampler_state = run.pipeline.checkpoint_state(lambda: copy.deepcopy(run.sampler.state_dict()))
+    save_checkpoint(run.output_dir, cursor.step, run.model, run.tokenizer, {
+        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+        "cursor": vars(cursor).copy(), "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
+        "guard": copy.deepcopy(run.guard.state_dict()),
+    }, keep=run.recipe.train.keep_checkpoints)
 
 
 def _log_episodes(handle, batch: RolloutBatch) -> None:
@@ -424,6 +527,7 @@ def episode_record(trajectory: Trajectory, step: int) -> dict[str, Any]:
         "details": trajectory.reward.details,
         "messages": trajectory.messages,
         "policy_version": trajectory.min_policy_version,
+        "dropped": trajectory.metadata.get(DROPPED_KEY),  # why the group did not reach the trainer, if it did not
     }
 
 

@@ -2,8 +2,12 @@
 
 A sampler draws batches of tasks, observes the verified trajectories of each batch (for curricula and
 statistics), and checkpoints its whole state so a resumed run draws exactly what the uninterrupted one
-would have. `StaticMixture` splits every batch over the recipe's domains by weight (largest remainder,
-so shares hold batch by batch) and draws each task's level uniformly from the domain's levels.
+would have. The producer calls, per batch: `begin_batch(index)`, `next_batch(count)`, `observe(...)`, then
+`refill(count)` and `observe(...)` again for as many refill rounds as dynamic sampling takes, and `report()`.
+
+`StaticMixture` splits every batch over the recipe's domains by weight (largest remainder, so shares hold
+batch by batch) and draws each task's level uniformly from the domain's levels; `posttrain.schedule.Scheduler`
+is the full scheduler (curriculum, compensated mixing, priority, dedup, retries).
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from posttrain.types import Task, Trajectory
 
 
 class TaskSampler(Protocol):
+    def begin_batch(self, index: int) -> None: ...
+
     def next_batch(self, count: int) -> list[Task]: ...
+
+    def refill(self, count: int) -> list[Task]: ...
 
     def observe(self, trajectories: Sequence[Trajectory], step: int) -> None: ...
 
@@ -59,6 +67,9 @@ class StaticMixture:
         self.rng = random.Random(seed)
         self.drawn: dict[str, int] = {name: 0 for name in self.specs}
 
+    def begin_batch(self, index: int) -> None:
+        return None
+
     def next_batch(self, count: int) -> list[Task]:
         counts = apportion({n: s.weight for n, s in self.specs.items()}, count, self.rng)
         tasks = []
@@ -69,14 +80,17 @@ class StaticMixture:
             self.drawn[name] += how_many
         return tasks
 
+    def refill(self, count: int) -> list[Task]:
+        return self.next_batch(count)
+
     def observe(self, trajectories: Sequence[Trajectory], step: int) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate(), "drawn": dict(self.drawn)}
+        return {"rng": rng_state_data(self.rng), "drawn": dict(self.drawn)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.setstate(_as_rng_state(state["rng"]))
+        self.rng.setstate(as_rng_state(state["rng"]))
         self.drawn = dict(state["drawn"])
 
     def report(self) -> dict[str, float]:
@@ -84,7 +98,13 @@ class StaticMixture:
         return {f"mix/sampled/{name}": count / total for name, count in self.drawn.items()}
 
 
-def _as_rng_state(state: Any) -> tuple:
+def rng_state_data(rng: random.Random) -> list:
+    """A `random.Random` state as plain lists (JSON-safe)."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def as_rng_state(state: Any) -> tuple:
     # JSON round trips turn the state's tuples into lists; random.setstate wants tuples.
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
