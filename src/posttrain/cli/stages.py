@@ -34,11 +34,12 @@ def sft(args: argparse.Namespace) -> int:
 
 
 def dpo(args: argparse.Namespace) -> int:
+    from posttrain.tracking import say
     from posttrain.train.dpo import run_dpo
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, DPORecipe)
     result = run_dpo(recipe, resume=args.resume)
-    console.print(
+    say(
         f"[dpo] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s; reference "
         f"log-probs {result.reference_seconds:.0f}s), train loss {result.train_loss:.4f}"
         + _heldout_line(result.heldout_start, result.heldout, "preference_accuracy", "loss")
@@ -48,11 +49,12 @@ def dpo(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
+    from posttrain.tracking import say
     from posttrain.train.reward_model import run_rm
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RMRecipe)
     result = run_rm(recipe, resume=args.resume)
-    console.print(
+    say(
         f"[rm] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s), "
         f"train loss {result.train_loss:.4f}" + _heldout_line(result.heldout_start, result.heldout, "accuracy", "loss")
         + f"\n[rm] reward model: {result.final_dir} (load with posttrain.train.reward_model.load_reward_model)"

@@ -57,7 +57,7 @@ from posttrain.models import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.tracking import Tracker, console
+from posttrain.tracking import Tracker, say
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.preference_losses import preference_loss
@@ -126,7 +126,7 @@ def run_dpo(
         if pairs.heldout:
             heldout_start = evaluate()
             tracker.log({f"heldout/{k}": v for k, v in heldout_start.items()}, step=0)
-    console.print(
+    say(
         f"[dpo] {count_parameters(model, trainable_only=True):,} trainable parameters, {len(pairs.train)} pairs, "
         f"{total_steps} steps, loss {recipe.dpo.loss}, {runtime.precision} on {runtime.device}"
     )
@@ -179,14 +179,14 @@ def resume_from_checkpoint(stage: str, output_dir: Path, model, optimizer, sched
     """Load the newest checkpoint's weights, optimizer, schedule and RNG states; its training state, or None."""
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is None:
-        console.print(f"[{stage}] --resume: no checkpoint in {output_dir}, starting fresh")
+        say(f"[{stage}] --resume: no checkpoint in {output_dir}, starting fresh")
         return None
     state = load_training_state(checkpoint)
     load_weights_from_checkpoint(model, checkpoint)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])
-    console.print(f"[{stage}] resumed from {checkpoint} at step {state['cursor']['step']}")
+    say(f"[{stage}] resumed from {checkpoint} at step {state['cursor']['step']}")
     return state
 
 
@@ -203,7 +203,7 @@ def prepare_pairs(data: PreferenceData, tokenizer, recipe) -> PreparedPairs:
     report = {**data.report, "pairs_kept": {"train": len(train), "heldout": len(heldout)},
               "truncated": truncated + heldout_truncated, "dropped_too_long": too_long}
     if too_long:
-        console.print(f"[{recipe.stage}] {too_long} pairs left out: the prompt leaves no response token within "
+        say(f"[{recipe.stage}] {too_long} pairs left out: the prompt leaves no response token within "
                       f"data.max_length={config.max_length}")
     return PreparedPairs(train=train, heldout=heldout, report=report)
 
@@ -306,9 +306,9 @@ def cached_reference_logprobs(
     if resume and path.is_file():
         cached = torch.load(path, map_location="cpu", weights_only=True)
         if cached.get("fingerprint") == fingerprint:
-            console.print(f"[dpo] reference log-probs read from {path}")
+            say(f"[dpo] reference log-probs read from {path}")
             return {"train": cached["train"], "heldout": cached["heldout"]}
-        console.print(f"[dpo] {path} is for other data or another reference: recomputing")
+        say(f"[dpo] {path} is for other data or another reference: recomputing")
     batch_size = recipe.train.reference_batch_size or 2 * (recipe.train.micro_batch_size or recipe.train.batch_size)
     reference_model = model
     if recipe.dpo.reference_path is not None:
@@ -455,7 +455,7 @@ def train_on_pairs(
     model.train()
     while cursor.step < total_steps:
         if config.max_minutes is not None and cursor.train_seconds >= config.max_minutes * 60:
-            console.print(f"[{stage}] time budget of {config.max_minutes} min reached at step {cursor.step}")
+            say(f"[{stage}] time budget of {config.max_minutes} min reached at step {cursor.step}")
             break
         if cursor.row >= len(order):
             cursor.epoch, cursor.row = cursor.epoch + 1, 0

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from posttrain.config import RMRecipe
 from posttrain.data.preference import TokenizedPair, collate_pairs
 from posttrain.models import ModelError, count_parameters, load_model, save_checkpoint, save_model_dir
-from posttrain.tracking import Tracker, console
+from posttrain.tracking import Tracker, say
 from posttrain.train.dpo import (
     PairCursor,
     attention_kernel,
@@ -131,7 +131,7 @@ def run_rm(
     if cursor.step == 0 and pairs.heldout:
         heldout_start = evaluate()
         tracker.log({f"heldout/{k}": v for k, v in heldout_start.items()}, step=0)
-    console.print(f"[rm] {count_parameters(model, trainable_only=True):,} trainable parameters, "
+    say(f"[rm] {count_parameters(model, trainable_only=True):,} trainable parameters, "
                   f"{len(pairs.train)} pairs, {total_steps} steps, {runtime.precision} on {runtime.device}")
     train_loss = train_on_pairs(
         "rm", recipe, model, pairs.train, pad_id, runtime.device, optimizer, scheduler, cursor, total_steps, tracker,
