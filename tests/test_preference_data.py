@@ -158,3 +158,21 @@ def test_length_groups_cut_where_padding_is_saved():
     groups = length_groups([5, 50, 6, 51, 100, 7, 52, 101], overhead_tokens=0, max_groups=3)
     assert sorted(map(sorted, groups)) == [[0, 2, 5], [1, 3, 6], [4, 7]]
     assert length_groups([9, 9, 9]) == [[0, 1, 2]]
+
+
+def test_flywheel_pairs_read_as_preference_pairs(tmp_path, tiny_tokenizer):
+    """Pairs the data flywheel writes from verified episodes are valid records of this format."""
+    from posttrain.data.flywheel import episodes_to_pairs, write_records
+
+    def episode(answer, passed, failure):
+        return {"task_id": "t1", "domain": "arithmetic", "difficulty": 2, "passed": passed, "failure": failure,
+                "messages": [{"role": "user", "content": "12+34"}, {"role": "assistant", "content": answer}]}
+
+    records = episodes_to_pairs([episode("46", True, "none"), episode("45", False, "wrong_answer"),
+                                 episode("", False, "infra")])
+    write_records(tmp_path / "pairs.jsonl", records)
+    data = load_preference_data(PreferenceDataConfig(train=[DataSource(path=str(tmp_path / "pairs.jsonl"))]))
+    (pair,) = data.train
+    assert pair.chosen[0]["content"] == "46" and pair.rejected[0]["content"] == "45"
+    assert pair.metadata.extras["rejected_failure"] == "wrong_answer"
+    assert tokenize_pairs(data.train, tiny_tokenizer, 64)[1][0].chosen_mask[-3:] == [1, 1, 1]
