@@ -136,3 +136,19 @@ def test_lora_sft_saves_a_merged_plain_model(tmp_path, data_file):
     assert not (result.final_dir / "adapter_config.json").exists()
     assert (result.output_dir / "checkpoints" / "step-000003" / "adapter" / "adapter_config.json").is_file()
     assert AutoModelForCausalLM.from_pretrained(result.final_dir) is not None
+
+
+def test_activation_checkpointing_and_accumulation_keep_the_loss(tmp_path, data_file):
+    """Recomputing activations, or splitting the batch into micro-batches, changes nothing but memory."""
+    figures = []
+    for name, extra in [("plain", {}), ("ckpt", {"runtime": {"activation_checkpointing": True}}),
+                        ("micro", {"train": {"micro_batch_size": 4}})]:
+        (tmp_path / name).mkdir()
+        sections = {"train": {"max_steps": 3}}
+        for key, value in extra.items():
+            sections[key] = {**sections.get(key, {}), **value}
+        result = run_sft(load_recipe(write_recipe(tmp_path / name, data_file, **sections), schema=SFTRecipe))
+        figures.append(step_losses(result.output_dir))
+    for other in figures[1:]:
+        for step in (1, 2, 3):
+            assert other[step] == pytest.approx(figures[0][step], abs=1e-5)

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from posttrain.config.common import Section
 from posttrain.config.load import recipe
+from posttrain.config.dpo import DPORecipe
 from posttrain.config.rl import RLRecipe
 from posttrain.config.sft import SFTRecipe
 
@@ -28,6 +29,15 @@ class DemoDomain(Section):
     demos: int = Field(1000, ge=0)  # how many demonstrations SFT gets (scarce on purpose)
     heldout_levels: list[int] = [1]  # levels of the held-out evaluation set
     heldout: int = Field(200, ge=0)
+
+
+class DemoPairs(Section):
+    """How the DPO stage builds pairs from the SFT model's own verified samples."""
+
+    prompts: int = Field(600, gt=0)  # fresh train-split tasks, spread over the RL stage's domains and levels
+    samples: int = Field(4, gt=1)  # completions per prompt
+    temperature: float = Field(1.0, gt=0)
+    per_task: int = Field(2, gt=0)  # pairs per task at most
 
 
 class DemoEval(Section):
@@ -45,5 +55,7 @@ class DemoRecipe(Section):
     stages: list[str] = ["sft"]  # in order; later issues add dpo, rl, sft_control, report
     domains: list[DemoDomain] = [DemoDomain(name="arithmetic", sft_levels=[1, 2, 3], heldout_levels=[3])]
     sft: SFTRecipe = SFTRecipe()
+    dpo: DPORecipe = DPORecipe()
+    dpo_pairs: DemoPairs = DemoPairs()
     rl: RLRecipe = RLRecipe()
     eval: DemoEval = DemoEval()

@@ -79,4 +79,4 @@ class Tracker:
 
 def say(message: str) -> None:
     """Print a status line to stderr as is (no rich markup: "[sft]" prefixes are text, not styles)."""
-    console.print(message, markup=False, highlight=False)
+    console.print(message, markup=False, highlight=False, soft_wrap=True)

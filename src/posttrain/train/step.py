@@ -53,7 +53,10 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
     if model_config.lora.enabled:
         model = apply_lora(model, model_config.lora)
     if runtime_config.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if runtime_config.compile:
         model.forward = torch.compile(model.forward, dynamic=True)

@@ -1,0 +1,71 @@
+"""Demo stage `dpo`: preference pairs from the SFT model's own verified samples, then DPO.
+
+The SFT model samples several answers to fresh train-split tasks of the RL stage's domains; each is judged
+by the task's verifier; a verified success and a model failure of the same task make a pair (the same
+flywheel `posttrain data pairs` runs on an RL run's episodes). No human labels, no reward model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.data.flywheel import episodes_to_pairs, write_records
+from posttrain.demo.base import load_heldout
+from posttrain.demo.evaluation import heldout_accuracy
+from posttrain.demo.pipeline import DemoRun, demo_stage, source
+from posttrain.tasks import get_domain, sample_tasks
+from posttrain.types import SamplingParams, Task
+
+PAIRS_FILE = "dpo_pairs.jsonl"
+
+
+@demo_stage("dpo")
+def dpo(run: DemoRun) -> dict[str, Any]:
+    from posttrain.rl.trainer import episode_record
+    from posttrain.train.dpo import run_dpo
+
+    policy = run.model_after("sft")
+    episodes = _sample_episodes(run, policy)
+    pairs = episodes_to_pairs([episode_record(t, 0) for t in episodes], per_task=run.recipe.dpo_pairs.per_task,
+                              seed=run.recipe.seed, source="demo-sft-samples")
+    write_records(run.data_dir / PAIRS_FILE, pairs)
+
+    recipe = run.recipe.dpo.model_copy(deep=True)
+    recipe.output_dir = str(run.root / "dpo")
+    recipe.model.path = str(policy)
+    recipe.data.train = [source(run.data_dir / PAIRS_FILE)]
+    recipe.runtime.seed = run.recipe.seed
+    result = run_dpo(recipe, resume=run.resume)
+    accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
+                                   max_new_tokens=run.recipe.eval.max_new_tokens,
+                                   batch_size=run.recipe.eval.batch_size)
+    return {
+        "heldout": accuracy,
+        "seconds": round(result.seconds + result.reference_seconds, 1),
+        "steps": result.steps,
+        "pairs": len(pairs),
+        "sampled_pass_rate": round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4),
+        "preference_accuracy": {"start": result.heldout_start.get("preference_accuracy"),
+                                "end": result.heldout.get("preference_accuracy")},
+    }
+
+
+def _sample_episodes(run: DemoRun, policy):
+    from posttrain.config import ModelConfig
+    from posttrain.envs import run_episodes
+    from posttrain.models import load_model, load_tokenizer
+    from posttrain.rollout import HFEngine
+
+    settings = run.recipe.dpo_pairs
+    tasks: list[Task] = []
+    domains = run.recipe.rl.domains
+    for index, spec in enumerate(domains):
+        count = settings.prompts // len(domains)
+        tasks += sample_tasks(get_domain(spec.name, **spec.args), count, level=spec.levels, split="train",
+                              seed=run.recipe.seed + 500 + index)
+    config = ModelConfig(path=str(policy))
+    tokenizer = load_tokenizer(config)
+    engine = HFEngine(load_model(config, tokenizer), tokenizer, max_batch_size=256)
+    sampling = SamplingParams(max_new_tokens=run.recipe.eval.max_new_tokens, temperature=settings.temperature,
+                              seed=run.recipe.seed)
+    return run_episodes(engine, tasks, tokenizer, sampling, n=settings.samples)
