@@ -1,23 +1,25 @@
 """The fast path: a Llama-family decoder run straight from the Hugging Face module's weights.
 
-For decoding, a tiny model's time goes into Python and dispatch overhead, not arithmetic: `generate` walks
-the module tree, builds masks and cache objects and runs logits processors at every step. This runner keeps
-a preallocated (static) KV cache per layer, shaped ``[rows, kv_heads, capacity, head_dim]``, a rotary table
-computed once by the model's own rotary module, and runs the layer maths in one flat loop of tensor ops over
-the module's own parameters (no copy; an update to the model's parameters is seen at the next step).
+For decoding, a tiny model's time goes into Python and dispatch overhead and memory traffic, not arithmetic:
+`generate` walks the module tree, builds masks and cache objects and runs logits processors at every step, and
+gives every sample of a group its own copy of the prompt's KV. This runner keeps preallocated time-major KV
+caches (a prompt's KV shared by its group, see `DecoderRunner`), a rotary table computed once by the model's
+own rotary module, and runs the layer maths as one flat loop of tensor ops over the module's parameters, with
+q/k/v and gate/up fused into one matmul each. The fused (and, under autocast, cast) weight copies are cached
+and re-made when a parameter's version counter changes, i.e. after any in-place update; in fp32 they cost
+one extra copy of the attention and MLP weights.
 
-It computes exactly what the Hugging Face forward computes for these architectures (Llama, Mistral without a
-sliding window, Qwen2 without a sliding window, Qwen3): the same RMSNorm (in float32, cast back), rotary
-embedding, attention scaling and SwiGLU MLP, with the same dtypes at every op, so the logprobs agree with a
-teacher-forced forward pass of the model to float rounding. Anything else goes through `GenericRunner`.
+It computes what the Hugging Face forward computes for these architectures (Llama, Mistral without a sliding
+window, Qwen2 without a sliding window, Qwen3): the same RMSNorm (in float32, cast back), rotary embedding,
+attention scaling and SwiGLU MLP, with the same dtypes at every op, so the logprobs agree with a teacher-forced
+forward pass of the model to float rounding. Anything else goes through `GenericRunner`.
 
 ``autocast`` (e.g. ``torch.bfloat16``) reproduces `torch.autocast`: matmuls (every linear and the attention)
 run in the low-precision dtype and return it, everything else (embedding, residual stream, norms, rotary) stays
-as it is in the parameters' dtype — the numeric path a trainer under autocast takes. The low-precision copies
-of the matmul weights are cached and re-cast only when a parameter changes (tracked by its version counter).
+in the parameters' dtype — the numeric path a trainer under autocast takes.
 
-Rows are sequences; all rows share one column index, so prompts are left-padded and a boolean ``valid`` mask
-marks which cache columns hold real tokens. Positions are per row (a left-padded prompt starts at 0).
+Prompts are left-padded for the prefill (a per-prompt bias masks the padding columns); positions count real
+tokens only, so a padded prompt sees the positions it would see alone.
 """
 
 from __future__ import annotations
