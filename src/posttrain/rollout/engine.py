@@ -9,9 +9,10 @@ One `generate` call runs its requests in chunks of at most ``max_batch_size`` se
 4. stops each sequence on its own (`StopRule`: eos / stop tokens / stop strings / length) and compacts the
    batch once an eighth of it has finished, so finished sequences stop costing compute.
 
-Two runners do the model maths: `DecoderRunner` (Llama-family models: static KV cache, flat layer loop —
-several times faster on small models) and `GenericRunner` (anything, through ``model.forward``). Both give the
-logprobs of a teacher-forced forward pass of the model, to float rounding.
+Two runners do the model maths: `DecoderRunner` (Llama-family models: preallocated KV caches, the prompt's
+shared by its group, a flat layer loop; the fast path measured in docs/rollout.md) and `GenericRunner`
+(anything, through ``model.forward``). Both give the logprobs of a teacher-forced forward pass of the model, to
+float rounding.
 
 `update_weights` copies a state dict into the model in place and tags later completions with its version; a
 lock makes it wait for a running `generate`, so every token of a completion comes from the version it reports.
