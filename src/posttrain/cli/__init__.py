@@ -24,6 +24,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "sft": ("supervised fine-tuning on chat data with metadata", "posttrain.cli.stages:sft"),
     "dpo": ("preference optimization on pairs: DPO, conservative DPO, IPO, SimPO", "posttrain.cli.stages:dpo"),
     "rm": ("a Bradley-Terry reward model on preference pairs", "posttrain.cli.stages:rm"),
+    "eval": ("evaluate checkpoints: held-out, fresh-draw, dataset, regression and safety suites; HTML report",
+             "posttrain.cli.stages:evaluate"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
 }

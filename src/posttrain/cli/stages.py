@@ -69,6 +69,20 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
             f"{loss} {start.get(loss, float('nan')):.4f} -> {end[loss]:.4f}")
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    """`posttrain eval recipe.yaml`: exit code 1 when a regression suite falls below its floor."""
+    from posttrain.config import EvalRecipe
+    from posttrain.evaluate import evaluate as run_evaluation
+    from posttrain.evaluate.console import print_results
+    from posttrain.tracking import say
+
+    recipe = load_recipe(recipe_path(args.recipe), args.overrides, EvalRecipe)
+    result = run_evaluation(recipe)
+    print_results(result.results)
+    say(f"[eval] results: {result.results_path}\n[eval] report: {result.report_path}")
+    return 1 if any(row["ok"] is False for row in result.results["regressions"]) else 0
+
+
 def recipes(args: argparse.Namespace) -> int:
     from posttrain.cli import packaged_recipe
 

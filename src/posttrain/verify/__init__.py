@@ -20,6 +20,7 @@ from posttrain.verify.grammar import Grammar
 from posttrain.verify.gym import verify_reasoning_gym
 from posttrain.verify.math_answer import stated_answers, verify_math
 from posttrain.verify.math_rational import parse_rational
+from posttrain.verify.refusal import is_refusal, verify_refusal
 from posttrain.verify.registry import (
     Verifier,
     check_task,
@@ -42,6 +43,7 @@ __all__ = [
     "combine",
     "final_text",
     "get_verifier",
+    "is_refusal",
     "list_verifiers",
     "normalize_stdout",
     "parse_rational",
@@ -59,5 +61,6 @@ __all__ = [
     "verify_format",
     "verify_math",
     "verify_reasoning_gym",
+    "verify_refusal",
     "verify_structured",
 ]

@@ -1,0 +1,167 @@
+"""The eval recipe: checkpoints x suites -> metrics, contamination check, bad cases, results JSON + HTML report.
+
+    posttrain eval recipe.yaml checkpoints.0.path=runs/rl/final
+
+Suites: a generated domain's held-out split (``suites.generated``; a fresh draw with new seeds beside it when
+``fresh_draw.enabled``), a user JSONL / Parquet / saved Hugging Face dataset judged by a verifier through the
+tasks room's ``dataset`` adapter (``suites.datasets``), and regression suites: a fixed JSONL of tasks
+(``Task.to_dict()`` lines) with an optional pass-rate floor (``suites.regression``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from posttrain.config.common import Section
+from posttrain.config.load import recipe
+from posttrain.config.sft import DataSource
+
+
+class EvalCheckpoint(Section):
+    """A local Hugging Face model directory; `label` names its column in the report (default: the run's name)."""
+
+    path: str
+    label: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        path = Path(self.path)
+        return path.parent.name if path.name == "final" and path.parent.name else path.name or str(path)
+
+
+class GeneratedSuite(Section):
+    """`n` held-out tasks of a generated domain at `levels` (drawn with `seed`)."""
+
+    domain: str
+    args: dict[str, Any] = {}
+    levels: list[int] = [1]
+    n: int = Field(100, gt=0)
+    seed: int = 0
+    name: str | None = None  # default: the domain's name
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+
+
+class DatasetSuite(Section):
+    """Every problem of a dataset file, judged by `args.verifier` (default ``math``); see the ``dataset`` domain."""
+
+    name: str
+    path: str
+    args: dict[str, Any] = {}  # question_field, answer_field, answer_format, verifier, instruction, ...
+    split: Literal["all", "heldout", "train"] = "all"
+    limit: int | None = Field(None, gt=0)
+
+
+class RegressionSuite(Section):
+    """A fixed set of tasks (JSONL of ``Task.to_dict()``): a pass rate below `min_pass_rate` is flagged."""
+
+    name: str
+    path: str
+    limit: int | None = Field(None, gt=0)
+    min_pass_rate: float | None = Field(None, ge=0, le=1)
+
+
+class EvalSuites(Section):
+    generated: list[GeneratedSuite] = []
+    datasets: list[DatasetSuite] = []
+    regression: list[RegressionSuite] = []
+
+
+class EvalSampling(Section):
+    """pass@1 from one greedy episode per item (`greedy`); pass@k from `n` sampled episodes per item."""
+
+    max_new_tokens: int = Field(128, gt=0)
+    greedy: bool = True
+    n: int = Field(0, ge=0)  # sampled episodes per item (0: none)
+    k: list[int] = [1]
+    temperature: float = Field(0.8, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _k_fits_n(self):
+        if not self.greedy and self.n == 0:
+            raise ValueError("sampling: nothing to run: set greedy: true or n > 0")
+        too_big = [k for k in self.k if k < 1 or (self.n and k > self.n)]
+        if self.n and too_big:
+            raise ValueError(f"sampling.k: every k must be in 1..n (n = {self.n}), got {too_big}")
+        return self
+
+
+class EvalContamination(Section):
+    """Training data to check the eval items against (token n-grams plus exact normalized prompts)."""
+
+    sft: list[DataSource] = []  # chat samples (SFT JSONL)
+    preferences: list[DataSource] = []  # preference pairs (prompt, chosen, rejected)
+    rl_episodes: list[str] = []  # an RL run's episodes.jsonl (or its run directory): the task prompts it trained on
+    ngram: int = Field(13, gt=0)
+    exclude: bool = False  # drop contaminated items from the suites before running them
+
+
+class EvalFreshDraw(Section):
+    """Beside each generated held-out suite, as many new held-out items drawn with a new seed."""
+
+    enabled: bool = True
+    seed: int | None = None  # None: a new seed every run (recorded in the results)
+
+
+class EvalRuntime(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    batch_size: int = Field(128, gt=0)  # sequences per engine call
+    max_concurrency: int | None = Field(None, gt=0)  # episodes in flight (default: batch_size)
+    num_threads: int | None = Field(None, gt=0)  # torch threads for the engine (default on CPU: all but one)
+    infra_retries: int = Field(1, ge=0)
+    # Episode wall time counts generation: on a loaded CPU a batch can outlast a task's timeout_s. A scale > 1
+    # keeps queueing from being reported as the model's timeout.
+    timeout_scale: float = Field(1.0, gt=0)
+
+
+class EvalTrainingRun(Section):
+    """A run directory (or its metrics.jsonl) whose training curves the report plots."""
+
+    path: str
+    label: str | None = None
+
+
+class EvalReport(Section):
+    title: str = "posttrain evaluation"
+    training_runs: list[EvalTrainingRun] = []
+    transcripts_per_class: int = Field(3, ge=0)
+
+
+@recipe("eval")
+class EvalRecipe(Section):
+    stage: Literal["eval"] = "eval"
+    output_dir: str = "runs/eval"
+    checkpoints: list[EvalCheckpoint] = Field(min_length=1)
+    suites: EvalSuites = EvalSuites()
+    sampling: EvalSampling = EvalSampling()
+    contamination: EvalContamination = EvalContamination()
+    fresh_draw: EvalFreshDraw = EvalFreshDraw()
+    runtime: EvalRuntime = EvalRuntime()
+    report: EvalReport = EvalReport()
+
+    @field_validator("checkpoints", mode="before")
+    @classmethod
+    def _paths_as_checkpoints(cls, value: Any) -> Any:
+        """`checkpoints: [runs/sft/final]` is shorthand for `[{path: runs/sft/final}]`."""
+        if isinstance(value, list):
+            return [{"path": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @model_validator(mode="after")
+    def _names_unique(self):
+        names = [c.name for c in self.checkpoints]
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpoints: labels must differ, got {names} (set `label` on each)")
+        suites = ([s.name or s.domain for s in self.suites.generated] + [s.name for s in self.suites.datasets]
+                  + [s.name for s in self.suites.regression])
+        if len(set(suites)) != len(suites):
+            raise ValueError(f"suites: names must differ, got {suites} (set `name` on generated suites)")
+        return self

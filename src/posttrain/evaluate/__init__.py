@@ -1,0 +1,64 @@
+"""Evaluation: checkpoints over held-out, fresh-draw, dataset and regression suites, with process metrics,
+bad-case attribution, a contamination check and a self-contained HTML report.
+
+    from posttrain.config import EvalRecipe, load_recipe
+    from posttrain.evaluate import evaluate
+    result = evaluate(load_recipe("eval.yaml", schema=EvalRecipe))     # or: posttrain eval eval.yaml
+    print(result.figure("sft", "arithmetic"), result.report_path)
+
+Pieces for other rooms (the RL trainer's regression suites, the demo): `load_policy` + `run_items` run tasks
+through one engine, `suite_metrics` / `pass_at_k` score them, `render_report` renders a results dict.
+See docs/evaluate.md.
+"""
+
+from posttrain.evaluate.contamination import check_contamination, exclude_contaminated, training_samples
+from posttrain.evaluate.curves import training_curves
+from posttrain.evaluate.errors import EvalError
+from posttrain.evaluate.failures import FAILURE_LABELS, failure_examples, transcript
+from posttrain.evaluate.metrics import (
+    FAILURE_CLASSES,
+    ItemEpisodes,
+    failure_counts,
+    outcome_metrics,
+    pass_at_k,
+    process_metrics,
+    safety_metrics,
+    suite_metrics,
+)
+from posttrain.evaluate.pipeline import EvalResult, evaluate, write_results
+from posttrain.evaluate.report import render_report
+from posttrain.evaluate.runner import Policy, RunStats, load_policy, run_items
+from posttrain.evaluate.suites import Suite, build_suites, fresh_draw, generated_suite, hygiene, tasks_suite
+
+__all__ = [
+    "FAILURE_CLASSES",
+    "FAILURE_LABELS",
+    "EvalError",
+    "EvalResult",
+    "ItemEpisodes",
+    "Policy",
+    "RunStats",
+    "Suite",
+    "build_suites",
+    "check_contamination",
+    "evaluate",
+    "exclude_contaminated",
+    "failure_counts",
+    "failure_examples",
+    "fresh_draw",
+    "generated_suite",
+    "hygiene",
+    "load_policy",
+    "outcome_metrics",
+    "pass_at_k",
+    "process_metrics",
+    "render_report",
+    "run_items",
+    "safety_metrics",
+    "suite_metrics",
+    "tasks_suite",
+    "training_curves",
+    "training_samples",
+    "transcript",
+    "write_results",
+]

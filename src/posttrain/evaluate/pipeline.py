@@ -1,0 +1,189 @@
+"""The eval recipe, top to bottom: recipe -> suites (+ fresh draws) -> contamination check -> for each checkpoint:
+one engine, every episode of every suite -> metrics and bad cases -> results.json + report.html.
+
+    posttrain eval recipe.yaml
+    result = evaluate(load_recipe("recipe.yaml", schema=EvalRecipe)); print(result.report_path)
+
+The results JSON is the whole record (the report is rendered from it alone, so it can be re-rendered):
+
+    {"format": "posttrain-eval/1", "checkpoints": [{label, path, seconds, items_per_s, ...}],
+     "suites": [{name, kind, group, items, levels, ...}],
+     "metrics": {label: {suite: {"overall": {items, mean_reward, pass@1, pass@k...}, "levels": {"3": {...}},
+                                 "process": {...}, "failures": {class: count}, "safety": {...}}}},
+     "examples": {label: {suite: {class: [transcript, ...]}}},
+     "fresh_gap": [...], "regressions": [...], "contamination": {...}, "hygiene": [...], "curves": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from posttrain.config import EvalRecipe, EvalRuntime
+from posttrain.evaluate.contamination import check_contamination, exclude_contaminated, training_samples
+from posttrain.evaluate.curves import training_curves
+from posttrain.evaluate.failures import failure_examples
+from posttrain.evaluate.metrics import ItemEpisodes, suite_metrics
+from posttrain.evaluate.runner import Policy, load_policy, run_items
+from posttrain.evaluate.suites import Suite, build_suites, hygiene, new_fresh_seed
+from posttrain.tracking import say
+
+FORMAT = "posttrain-eval/1"
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.html"
+
+
+@dataclass
+class EvalResult:
+    results: dict[str, Any]
+    results_path: Path | None
+    report_path: Path | None
+
+    def figure(self, checkpoint: str, suite: str, name: str = "pass@1") -> float | None:
+        """One overall figure (``pass@1``, ``mean_reward``, ``pass@4`` ...) of a checkpoint on a suite."""
+        return self.results["metrics"].get(checkpoint, {}).get(suite, {}).get("overall", {}).get(name)
+
+
+def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write: bool = True,
+             report_name: str = REPORT_FILE, results_name: str = RESULTS_FILE,
+             loader: Callable[[str, EvalRuntime], Policy] = load_policy) -> EvalResult:
+    """Run every checkpoint of `recipe` over its suites (or over `suites`, when given) and write the results
+    JSON and the HTML report into ``recipe.output_dir`` (unless `write` is false). `loader` turns a checkpoint
+    path into a `Policy` (another engine, a scripted one in tests)."""
+    started = time.perf_counter()
+    fresh_seed = recipe.fresh_draw.seed if recipe.fresh_draw.seed is not None else new_fresh_seed()
+    suites = list(suites) if suites is not None else build_suites(recipe, fresh_seed)
+    say(f"[eval] {len(suites)} suites, {sum(len(s.tasks) for s in suites)} items, "
+        f"{len(recipe.checkpoints)} checkpoint(s)")
+
+    loading = time.perf_counter()
+    first = loader(recipe.checkpoints[0].path, recipe.runtime)  # its tokenizer counts the n-grams
+    first_load_s = time.perf_counter() - loading
+    samples = training_samples(recipe.contamination)
+    contamination = check_contamination(suites, samples, first.tokenizer, recipe.contamination.ngram)
+    if recipe.contamination.exclude and contamination["count"]:
+        exclude_contaminated(suites, contamination)
+    if contamination["count"]:
+        say(f"[eval] contamination: {contamination['count']} eval items overlap the training data"
+            + (" (excluded)" if contamination["excluded"] else ""))
+
+    tasks = [task for suite in suites for task in suite.tasks]
+    checkpoints, metrics, examples = [], {}, {}
+    for position, checkpoint in enumerate(recipe.checkpoints):
+        loading = time.perf_counter()
+        policy, first = first or loader(checkpoint.path, recipe.runtime), None
+        load_s = first_load_s if position == 0 else time.perf_counter() - loading
+        items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
+        metrics[checkpoint.name], examples[checkpoint.name] = _score(suites, items, recipe)
+        checkpoints.append({"label": checkpoint.name, "path": checkpoint.path, "seconds": round(stats.seconds, 2),
+                            "load_seconds": round(load_s, 2), "episodes": stats.episodes, "items": len(tasks),
+                            "items_per_s": round(len(tasks) / stats.seconds, 2) if stats.seconds else None,
+                            "policy_tokens": stats.policy_tokens})
+        say(f"[eval] {checkpoint.name}: {stats.episodes} episodes in {stats.seconds:.1f}s")
+        del policy  # one engine in memory at a time
+
+    results = {
+        "format": FORMAT,
+        "title": recipe.report.title,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": None,
+        "recipe": recipe.model_dump(mode="json"),
+        "fresh_seed": fresh_seed,
+        "sampling": recipe.sampling.model_dump(mode="json"),
+        "checkpoints": checkpoints,
+        "suites": [suite.describe() for suite in suites],
+        "metrics": metrics,
+        "examples": examples,
+        "fresh_gap": fresh_gap(suites, metrics),
+        "regressions": regressions(suites, metrics),
+        "contamination": contamination,
+        "hygiene": hygiene(suites),
+        "curves": training_curves([(run.label or Path(run.path).name, run.path)
+                                   for run in recipe.report.training_runs]),
+    }
+    results["seconds"] = round(time.perf_counter() - started, 2)
+    if not write:
+        return EvalResult(jsonable(results), None, None)
+    return write_results(jsonable(results), Path(recipe.output_dir), results_name, report_name)
+
+
+def write_results(results: dict[str, Any], output_dir: Path, results_name: str = RESULTS_FILE,
+                  report_name: str = REPORT_FILE) -> EvalResult:
+    """Write the results JSON and the report rendered from it (each atomically)."""
+    from posttrain.evaluate.report import render_report
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    results_path, report_path = output_dir / results_name, output_dir / report_name
+    _atomic_write(results_path, json.dumps(results, indent=1))
+    _atomic_write(report_path, render_report(results))
+    return EvalResult(results, results_path, report_path)
+
+
+def _score(suites: Sequence[Suite], items: list[ItemEpisodes], recipe: EvalRecipe
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
+    metrics, examples, start = {}, {}, 0
+    for suite in suites:
+        mine = items[start:start + len(suite.tasks)]
+        start += len(suite.tasks)
+        metrics[suite.name] = suite_metrics(mine, recipe.sampling.k if recipe.sampling.n else ())
+        examples[suite.name] = failure_examples([t for item in mine for t in item.primary],
+                                                recipe.report.transcripts_per_class)
+    return metrics, examples
+
+
+def fresh_gap(suites: Sequence[Suite], metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fixed held-out pass@1 minus fresh-draw pass@1, per domain and checkpoint (memorisation shows as > 0).
+
+    ``noise`` is two standard errors of that difference, sqrt(a(1-a)/n_a + b(1-b)/n_b) * 2: a gap inside it is
+    what two independent samples of the same split differ by anyway."""
+    rows = []
+    fixed = {s.group: s for s in suites if s.kind == "heldout"}
+    for fresh in (s for s in suites if s.kind == "fresh"):
+        heldout = fixed.get(fresh.group)
+        if heldout is None:
+            continue
+        for label, by_suite in metrics.items():
+            a = by_suite.get(heldout.name, {}).get("overall", {}).get("pass@1")
+            b = by_suite.get(fresh.name, {}).get("overall", {}).get("pass@1")
+            both = a is not None and b is not None and heldout.tasks and fresh.tasks
+            noise = 2 * math.sqrt(a * (1 - a) / len(heldout.tasks) + b * (1 - b) / len(fresh.tasks)) if both else None
+            rows.append({"group": fresh.group, "checkpoint": label, "heldout": a, "fresh": b,
+                         "gap": a - b if both else None, "noise": noise,
+                         "heldout_items": len(heldout.tasks), "fresh_items": len(fresh.tasks)})
+    return rows
+
+
+def regressions(suites: Sequence[Suite], metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for suite in suites:
+        if suite.kind != "regression":
+            continue
+        for label, by_suite in metrics.items():
+            rate = by_suite.get(suite.name, {}).get("overall", {}).get("pass@1")
+            ok = None if suite.min_pass_rate is None or rate is None else rate >= suite.min_pass_rate
+            rows.append({"suite": suite.name, "checkpoint": label, "pass_rate": rate,
+                         "min_pass_rate": suite.min_pass_rate, "ok": ok})
+    return rows
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with non-finite floats as None (strict JSON has no NaN) and tuples as lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)

@@ -1,0 +1,126 @@
+"""Running tasks through one engine: every episode of every suite in one event loop, batched across episodes.
+
+One `HFEngine` per checkpoint; `AsyncBatcher` gathers the generate calls of the episodes in flight into engine
+batches (`EvalRuntime.batch_size` sequences). At most `max_concurrency` episodes are in flight (default: one
+batch): an episode's wall time counts from its start, so starting all of them at once would charge the queue to
+each episode's `timeout_s`. The greedy episodes (pass@1) run first, then the `n` sampled ones per item (pass@k),
+each a seeded stream (`SamplingParams.seed` + sample index), so a run repeats.
+
+Threads: on a CPU the engine runs in a worker thread while the event loop tokenizes prompts and runs verifiers,
+so the engine gets one core less than torch would take (`EvalRuntime.num_threads` overrides; restored after).
+Oversubscribed OpenMP threads spin against each other: on a shared 2-core machine two engine threads measured
+10-50x slower than one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RuntimeConfig
+from posttrain.evaluate.errors import EvalError
+from posttrain.evaluate.metrics import ItemEpisodes
+from posttrain.types import SamplingParams, Task, Trajectory
+
+
+@dataclass
+class Policy:
+    """A loaded checkpoint: the engine that samples from it and its tokenizer."""
+
+    engine: Any
+    tokenizer: Any
+    path: str
+    device: str = "cpu"
+
+
+@dataclass
+class RunStats:
+    seconds: float
+    episodes: int
+    policy_tokens: int
+    threads: int = 0  # torch threads the engine ran with
+
+    @property
+    def episodes_per_s(self) -> float:
+        return self.episodes / self.seconds if self.seconds > 0 else 0.0
+
+
+def load_policy(path: str | Path, runtime: EvalRuntime | None = None) -> Policy:
+    """The model and tokenizer of a local Hugging Face directory behind an `HFEngine`."""
+    from posttrain.models import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
+    from posttrain.rollout import HFEngine
+
+    runtime = runtime or EvalRuntime()
+    config = ModelConfig(path=str(path))
+    settings = RuntimeConfig(device=runtime.device, precision=runtime.precision)
+    try:
+        tokenizer = load_tokenizer(config)
+        device = resolve_device(settings)
+        model = load_model(config, tokenizer, device).eval()
+    except ModelError as error:
+        raise EvalError(f"checkpoint {path}: {error}") from None
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    engine = HFEngine(model, tokenizer, device=device, autocast=autocast_dtype(settings, device),
+                      max_batch_size=runtime.batch_size)
+    return Policy(engine, tokenizer, str(path), device.type)
+
+
+def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | None = None,
+              runtime: EvalRuntime | None = None) -> tuple[list[ItemEpisodes], RunStats]:
+    """Every task's greedy episode and `sampling.n` sampled ones; items in task order."""
+    sampling = sampling or EvalSampling()
+    runtime = runtime or EvalRuntime()
+    tasks = [_scaled(task, runtime.timeout_scale) for task in tasks]
+    with _engine_threads(policy, runtime) as threads:
+        started = time.perf_counter()
+        greedy, samples = asyncio.run(_collect(policy, tasks, sampling, runtime))
+        seconds = time.perf_counter() - started
+    items = []
+    for index, task in enumerate(tasks):
+        items.append(ItemEpisodes(task, greedy[index] if greedy else None,
+                                  samples[index * sampling.n:(index + 1) * sampling.n] if samples else []))
+    every = (greedy or []) + (samples or [])
+    return items, RunStats(seconds, len(every), sum(t.policy_tokens for t in every), threads)
+
+
+async def _collect(policy: Policy, tasks: list[Task], sampling: EvalSampling, runtime: EvalRuntime
+                   ) -> tuple[list[Trajectory] | None, list[Trajectory] | None]:
+    from posttrain.envs import rollout_many
+    from posttrain.rollout import AsyncBatcher
+
+    options = {"max_concurrency": runtime.max_concurrency or runtime.batch_size,
+               "infra_retries": runtime.infra_retries}
+    greedy = samples = None
+    async with AsyncBatcher(policy.engine, max_batch_size=runtime.batch_size) as batcher:
+        if sampling.greedy:
+            greedy = await rollout_many(batcher, tasks, policy.tokenizer,
+                                        SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0),
+                                        **options)
+        if sampling.n:
+            sampled = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                     top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
+            samples = await rollout_many(batcher, tasks, policy.tokenizer, sampled, n=sampling.n, **options)
+    return greedy, samples
+
+
+@contextlib.contextmanager
+def _engine_threads(policy: Policy, runtime: EvalRuntime):
+    import torch
+
+    before = torch.get_num_threads()
+    threads = runtime.num_threads or (max(1, before - 1) if policy.device == "cpu" else before)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def _scaled(task: Task, scale: float) -> Task:
+    return task if scale == 1.0 else dataclasses.replace(task, timeout_s=task.timeout_s * scale)

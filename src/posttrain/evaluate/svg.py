@@ -1,0 +1,183 @@
+"""Small inline-SVG charts for the report: lines (training curves), grouped bars, stacked bars.
+
+Hand-written rather than matplotlib so the report stays a few hundred kilobytes of crisp, scalable, hoverable
+markup (every point and bar has a ``<title>`` tooltip) that needs nothing but a browser. Every string that
+reaches the markup goes through `html.escape`.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Sequence
+
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D", "#FF9DA6",
+           "#79706E"]
+FONT = "font-family=\"inherit\" font-size=\"11\" fill=\"#5b6270\""
+
+
+def color(index: int) -> str:
+    return PALETTE[index % len(PALETTE)]
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """About `count` round tick values covering [low, high] (steps of 1, 2 or 5 times a power of ten)."""
+    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
+        return [low]
+    raw = (high - low) / max(1, count - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    start = math.floor(low / step) * step
+    ticks, value = [], start
+    while value <= high + step * 1e-9:
+        ticks.append(round(value, 10))
+        value += step
+    return ticks
+
+
+def fmt(value: float, fraction: bool = False) -> str:
+    if fraction:
+        return f"{value * 100:.0f}%"
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 1:
+        return f"{value:.2g}" if magnitude < 10 else f"{value:.0f}"
+    return f"{value:.2g}"
+
+
+def _escape(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _frame(width: int, height: int, label: str, body: list[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img" aria-label="{_escape(label)}">' + "".join(body) + "</svg>")
+
+
+def line_chart(series: dict[str, list[Sequence[float]]], *, label: str, fraction: bool = False,
+               width: int = 520, height: int = 230, colors: dict[str, str] | None = None) -> str:
+    """Lines of (x, y) points, one per series name (colours by order, or `colors`); y in [0, 1] when `fraction`."""
+    points = [p for values in series.values() for p in values]
+    if not points:
+        return _frame(width, 40, label, [f'<text x="8" y="24" {FONT}>no data</text>'])
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_low, x_high = min(xs), max(xs)
+    if x_high == x_low:
+        x_low, x_high = x_low - 1, x_high + 1
+    if fraction:
+        y_low, y_high = 0.0, 1.0
+    else:
+        y_low, y_high = min(ys), max(ys)
+        pad = (y_high - y_low) * 0.08 or abs(y_high) * 0.1 or 1.0
+        # A loss or a KL is never negative: an axis dipping below zero would only suggest it can be.
+        y_low, y_high = (max(0.0, y_low - pad) if y_low >= 0 else y_low - pad), y_high + pad
+    ticks = [t for t in nice_ticks(y_low, y_high) if t >= 0 or y_low < 0]
+    y_low, y_high = min(y_low, ticks[0]), max(y_high, ticks[-1])
+    left, right, top, bottom = 46, 12, 10, 26
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + (x - x_low) / (x_high - x_low) * plot_w
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y_low) / (y_high - y_low)) * plot_h
+
+    body = []
+    for tick in ticks:
+        y = sy(tick)
+        body.append(f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e6e8ee"/>')
+        body.append(f'<text x="{left - 6}" y="{y + 3.5:.1f}" text-anchor="end" {FONT}>{fmt(tick, fraction)}</text>')
+    for tick in nice_ticks(x_low, x_high, 6):
+        if x_low <= tick <= x_high:
+            x = sx(tick)
+            body.append(f'<text x="{x:.1f}" y="{height - 8}" text-anchor="middle" {FONT}>{fmt(tick)}</text>')
+    body.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#9aa1ad"/>')
+    for index, (name, values) in enumerate(series.items()):
+        stroke = (colors or {}).get(name, color(index))
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
+        body.append(f'<polyline fill="none" stroke="{stroke}" stroke-width="2" stroke-linejoin="round" '
+                    f'points="{path}"><title>{_escape(name)}</title></polyline>')
+        marks = values if len(values) <= 40 else values[-1:]
+        for x, y in marks:
+            body.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.6" fill="{stroke}"><title>'
+                        f'{_escape(name)} at step {fmt(x)}: {_escape(_value(y, fraction))}</title></circle>')
+    return _frame(width, height, label, body)
+
+
+def bar_chart(categories: Sequence[str], series: Sequence[tuple[str, Sequence[float | None]]], *, label: str,
+              fraction: bool = True, width: int | None = None, height: int = 220,
+              colors: Sequence[str] | None = None) -> str:
+    """Grouped vertical bars: for each category one bar per series (a missing value leaves a gap)."""
+    values = [v for _, vs in series for v in vs if v is not None]
+    groups, per_group = max(1, len(categories)), max(1, len(series))
+    bar_w = 18 if per_group > 2 else 24
+    longest = max([min(18, len(c)) for c in categories] + [1])
+    group_w = max(per_group * bar_w + 18, longest * 6.5 + 14)  # room for the category's label
+    left, right, top, bottom = 44, 10, 16, 40
+    width = width or int(max(260, left + right + groups * group_w))
+    plot_h = height - top - bottom
+    high = 1.0 if fraction else max(values or [1.0]) * 1.1 or 1.0
+    ticks = nice_ticks(0.0, high, 5)
+    high = max(high, ticks[-1])
+
+    def sy(v: float) -> float:
+        return top + (1 - v / high) * plot_h
+
+    body = []
+    for tick in ticks:
+        body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
+                    f'stroke="#e6e8ee"/>')
+        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
+                    f'{fmt(tick, fraction)}</text>')
+    step = (width - left - right) / groups
+    for g, category in enumerate(categories):
+        x0 = left + g * step + (step - per_group * bar_w) / 2
+        for s, (name, vs) in enumerate(series):
+            value = vs[g] if g < len(vs) else None
+            if value is None:
+                continue
+            fill = colors[s] if colors else color(s)
+            y = sy(max(0.0, value))
+            body.append(f'<rect x="{x0 + s * bar_w:.1f}" y="{y:.1f}" width="{bar_w - 3}" '
+                        f'height="{max(0.5, top + plot_h - y):.1f}" rx="2" fill="{fill}"><title>{_escape(name)} · '
+                        f'{_escape(category)}: {_escape(_value(value, fraction))}</title></rect>')
+        text = category if len(category) <= 18 else category[:17] + "…"
+        body.append(f'<text x="{left + g * step + step / 2:.1f}" y="{height - bottom + 16}" text-anchor="middle" '
+                    f'{FONT}>{_escape(text)}</text>')
+    body.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#9aa1ad"/>')
+    return _frame(width, height, label, body)
+
+
+def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], classes: Sequence[str], class_colors: dict[str, str],
+                 *, label: str, width: int = 560, class_labels: dict[str, str] | None = None) -> str:
+    """One horizontal bar per row, split into `classes` by count; the total at the end."""
+    bar_h, gap, left, right = 18, 10, 110, 48
+    height = max(1, len(rows)) * (bar_h + gap) + gap
+    largest = max([sum(counts.values()) for _, counts in rows] + [1])
+    scale = (width - left - right) / largest
+    body = []
+    for r, (name, counts) in enumerate(rows):
+        y = gap + r * (bar_h + gap)
+        text = name if len(name) <= 16 else name[:15] + "…"
+        body.append(f'<text x="{left - 8}" y="{y + 13}" text-anchor="end" {FONT}>{_escape(text)}</text>')
+        x = float(left)
+        for cls in classes:
+            count = counts.get(cls, 0)
+            if not count:
+                continue
+            shown = (class_labels or {}).get(cls, cls)
+            body.append(f'<rect x="{x:.1f}" y="{y}" width="{count * scale:.1f}" height="{bar_h}" '
+                        f'fill="{class_colors.get(cls, "#999")}"><title>{_escape(name)} · {_escape(shown)}: '
+                        f'{count}</title></rect>')
+            x += count * scale
+        body.append(f'<text x="{x + 6:.1f}" y="{y + 13}" {FONT}>{sum(counts.values())}</text>')
+    return _frame(width, height, label, body)
+
+
+def _value(value: float, fraction: bool) -> str:
+    return f"{value * 100:.1f}%" if fraction else f"{value:.4g}"
