@@ -24,8 +24,11 @@ STAGES: dict[str, tuple[str, str]] = {
     "sft": ("supervised fine-tuning on chat data with metadata", "posttrain.cli.stages:sft"),
     "dpo": ("preference optimization on pairs: DPO, conservative DPO, IPO, SimPO", "posttrain.cli.stages:dpo"),
     "rm": ("a Bradley-Terry reward model on preference pairs", "posttrain.cli.stages:rm"),
+    "rl": ("RL with verifiable rewards: rollouts, verifiers, GRPO-family updates", "posttrain.cli.stages:rl"),
     "eval": ("evaluate checkpoints: held-out, fresh-draw, dataset, regression and safety suites; HTML report",
              "posttrain.cli.stages:evaluate"),
+    "data": ("the data flywheel: `data pairs` / `data sft` from verified episodes (a run's episodes.jsonl)",
+             "posttrain.cli.stages:data"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
 }
@@ -51,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--resume", action="store_true", help="skip finished stages, resume the running one")
             sub.add_argument("--quick", action="store_true", help="a few-minute smoke run (smaller budgets)")
             sub.add_argument("overrides", nargs="*", help="demo recipe overrides, key.path=value")
+        elif name == "data":
+            sub.add_argument("action", choices=["pairs", "sft"], help="pairs: preference pairs; sft: SFT samples")
+            sub.add_argument("episodes", nargs="+", help="episodes.jsonl files (an RL run writes one)")
+            sub.add_argument("--out", required=True, help="output JSONL")
+            sub.add_argument("--per-task", type=int, default=2, help="pairs: at most this many per task")
+            sub.add_argument("--source", default=None, help="metadata.source (default: the episodes file)")
         elif name == "recipes":
             sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
         else:
@@ -108,7 +117,3 @@ def packaged_recipe(name: str) -> Path:
         known = ", ".join(sorted(p.stem for p in root.glob("*.yaml")))
         raise PosttrainError(f"no packaged recipe '{name}' (known: {known})")
     return path
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

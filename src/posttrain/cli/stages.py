@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from posttrain.config import DPORecipe, RMRecipe, SFTRecipe, load_recipe
-from posttrain.tracking import console
+from posttrain.tracking import say
 
 
 def recipe_path(name: str) -> Path:
@@ -24,7 +24,7 @@ def sft(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, SFTRecipe)
     result = run_sft(recipe, resume=args.resume)
-    console.print(
+    say(
         f"[sft] done: {result.steps} steps in {result.seconds:.0f}s ({result.tokens_per_s:,.0f} tokens/s), "
         f"train loss {result.train_loss:.4f}"
         + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")
@@ -69,6 +69,19 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
             f"{loss} {start.get(loss, float('nan')):.4f} -> {end[loss]:.4f}")
 
 
+def rl(args: argparse.Namespace) -> int:
+    from posttrain.config.rl import RLRecipe
+    from posttrain.rl.trainer import run_rl
+    from posttrain.tracking import say
+
+    recipe = load_recipe(recipe_path(args.recipe), args.overrides, RLRecipe)
+    result = run_rl(recipe, resume=args.resume)
+    heldout = ", ".join(f"{k} {v:.1%}" for k, v in result.heldout.items())
+    say(f"[rl] done: {result.steps} steps in {result.seconds:.0f}s" + (f"; held-out {heldout}" if heldout else ""))
+    say(f"[rl] model: {result.final_dir}")
+    return 0
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """`posttrain eval recipe.yaml`: exit code 1 when a regression suite falls below its floor."""
     from posttrain.config import EvalRecipe
@@ -81,6 +94,22 @@ def evaluate(args: argparse.Namespace) -> int:
     print_results(result.results)
     say(f"[eval] results: {result.results_path}\n[eval] report: {result.report_path}")
     return 1 if any(row["ok"] is False for row in result.results["regressions"]) else 0
+
+
+def data(args: argparse.Namespace) -> int:
+    from posttrain.data.flywheel import episodes_to_pairs, episodes_to_sft, read_episodes, write_records
+    from posttrain.tracking import say
+
+    episodes = read_episodes(args.episodes)
+    source = args.source or ",".join(args.episodes)
+    if args.action == "pairs":
+        records = episodes_to_pairs(episodes, per_task=args.per_task, source=source)
+    else:
+        records = episodes_to_sft(episodes, source=source)
+    count = write_records(args.out, records)
+    say(f"[data] {count} {'preference pairs' if args.action == 'pairs' else 'SFT samples'} from "
+        f"{len(episodes)} episodes -> {args.out}")
+    return 0
 
 
 def recipes(args: argparse.Namespace) -> int:
