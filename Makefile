@@ -35,7 +35,9 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m '' 
 
+# The benchmarks compare against TRL where it is installed (the `bench` extra).
 bench: setup
+	$(PIP) install -q -e '.[bench]'
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
