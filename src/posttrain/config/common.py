@@ -73,3 +73,32 @@ class TrackingConfig(Section):
     progress: bool = True  # a rich progress bar with tokens/s and ETA on a terminal
     project: str = "posttrain"
     run_name: str | None = None
+
+
+class ActorResources(Section):
+    """What one Ray actor of a kind reserves, and the torch threads it runs with."""
+
+    num_cpus: float = Field(1.0, ge=0)  # fractions are allowed: actors that take turns can share a core
+    num_gpus: float = Field(0.0, ge=0)
+    threads: int = Field(1, gt=0)  # torch intra-op threads (two 2-thread processes on 2 cores run ~50x slower)
+
+
+class ClusterConfig(Section):
+    """Where a run executes. ``local`` (the default) is this process and needs no Ray; ``ray`` places rollout
+    engines, sandbox workers and a data-parallel FSDP trainer group on a Ray cluster (docs/distributed.md)."""
+
+    backend: Literal["local", "ray"] = "local"
+    # unset: start a private Ray instance on this machine; "auto" or "host:port": join a running cluster
+    address: str | None = None
+    local_cpus: int | None = Field(None, gt=0)  # CPUs of the private instance (default: all of them)
+    num_rollout_workers: int = Field(2, gt=0)  # engine actors, each with its own copy of the weights (RL)
+    num_trainer_workers: int = Field(1, gt=0)  # FSDP ranks
+    num_sandbox_workers: int = Field(0, ge=0)  # 0: sandboxes run in each rollout worker's own pool
+    sandbox_slots: int = Field(1, gt=0)  # concurrent jails per sandbox worker
+    sandbox_backend: Literal["bubblewrap", "unsafe-local"] = "bubblewrap"
+    rollout: ActorResources = ActorResources()
+    trainer: ActorResources = ActorResources()
+    sandbox: ActorResources = ActorResources(num_cpus=0.5)
+    max_restarts: int = Field(3, ge=0)  # restarts of one rollout or sandbox worker before the run gives up
+    placement_timeout_s: float = Field(60.0, gt=0)  # how long to wait for the cluster to fit the actors
+    worker_imports: list[str] = []  # modules every worker imports first (your @domain / @verifier registrations)

@@ -9,7 +9,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.common import ModelConfig, OptimConfig, RuntimeConfig, Section, TrackingConfig
+from posttrain.config.common import (
+    ClusterConfig,
+    ModelConfig,
+    OptimConfig,
+    RuntimeConfig,
+    Section,
+    TrackingConfig,
+)
 from posttrain.config.load import recipe
 
 
@@ -264,6 +271,7 @@ class RLRecipe(Section):
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    cluster: ClusterConfig = ClusterConfig()  # local, or a Ray cluster (posttrain.distributed)
 
     @model_validator(mode="after")
     def _schedule_names_domains(self):

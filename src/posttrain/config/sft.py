@@ -6,7 +6,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.common import ModelConfig, OptimConfig, RuntimeConfig, Section, TrackingConfig
+from posttrain.config.common import (
+    ClusterConfig,
+    ModelConfig,
+    OptimConfig,
+    RuntimeConfig,
+    Section,
+    TrackingConfig,
+)
 from posttrain.config.load import recipe
 
 
@@ -90,3 +97,5 @@ class SFTRecipe(Section):
     train: SFTTrainConfig = SFTTrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
+    # backend ray: num_trainer_workers FSDP ranks as Ray actors (a torchrun launch needs no cluster section)
+    cluster: ClusterConfig = ClusterConfig()

@@ -8,12 +8,16 @@ gap between the engine's behaviour log-probs and the trainer's log-probs of the 
 A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-batches); sequences of one
 mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
 to the mini-batch's.
+
+Data-parallel ranks (`posttrain.distributed`) pass a `DataShard`: every rank sees the whole batch and computes
+the same normalizers, backpropagates only its share of each mini-batch (the gradients are summed across ranks
+by the sharded model), and the statistics are combined over the ranks, so they equal one process's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -32,6 +36,22 @@ from posttrain.types import Trajectory
 
 # (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]
 ReferenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DataShard(Protocol):
+    """One data-parallel rank's part of an update (implemented by `posttrain.distributed`)."""
+
+    def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
+        """This rank's micro-batches of `items`: the same count on every rank, some possibly empty."""
+        ...
+
+    def idle_backward(self, model: torch.nn.Module) -> None:
+        """A pass with no loss for an empty micro-batch, so the ranks' collectives stay in step."""
+        ...
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """`value` of every rank, in rank order."""
+        ...
 
 
 @dataclass
@@ -97,8 +117,10 @@ def rl_update(
     normalizer: float | None = None,
     updates_per_batch: int = 1,
     reference: ReferenceFn | None = None,
+    shard: DataShard | None = None,
 ) -> dict[str, float]:
-    """Train on one batch; returns averaged statistics (loss parts, ratios, gap, entropy, grad norm)."""
+    """Train on one batch; returns averaged statistics (loss parts, ratios, gap, entropy, grad norm).
+    With `shard`, this rank trains on its share of the batch (see the module docstring)."""
     if not trajectories:
         return {}
     model.train()
@@ -119,7 +141,7 @@ def rl_update(
         total_tokens = sum(trajectories[i].policy_tokens for i in mini)
         stats = _accumulate_gradients(
             model, trajectories, advantages, mini, config, runtime, pad_id, temperature, micro_batch_size,
-            total_tokens, normalizer, reference, proximal,
+            total_tokens, normalizer, reference, proximal, shard,
         )
         stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, max_grad_norm)
         for key, value in stats.items():
@@ -130,14 +152,20 @@ def rl_update(
 
 def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyLossConfig, runtime: Runtime,
                           pad_id, temperature, micro_batch_size, total_tokens, normalizer, reference,
-                          proximal) -> dict[str, float]:
+                          proximal, shard: DataShard | None = None) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
     loss_total = 0.0
     weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
     ratio_max, ratio_min = float("-inf"), float("inf")
     trainer_logprobs, behaviour_logprobs = [], []
-    for start in range(0, len(mini), micro_batch_size):
-        chunk = mini[start : start + micro_batch_size]
+    if shard is None:
+        chunks = [mini[start : start + micro_batch_size] for start in range(0, len(mini), micro_batch_size)]
+    else:
+        chunks = shard.micro_batches(mini, micro_batch_size)
+    for chunk in chunks:
+        if not chunk:
+            shard.idle_backward(model)
+            continue
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk], pad_id,
                                      runtime.device)
         num_seqs = len(chunk)
@@ -183,10 +211,27 @@ def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyL
             weighted[key] = weighted.get(key, 0.0) + value * (1 if key == "pg_loss" else tokens)
         trainer_logprobs.append(logprobs.detach())
         behaviour_logprobs.append(micro.behaviour)
+    trainer_all = torch.cat(trainer_logprobs) if trainer_logprobs else torch.zeros(0)
+    behaviour_all = torch.cat(behaviour_logprobs) if behaviour_logprobs else torch.zeros(0)
+    if shard is not None:
+        loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
+            shard, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
     out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
     out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens))
-    out.update(logprob_gap_stats(torch.cat(trainer_logprobs), torch.cat(behaviour_logprobs)))
+    out.update(logprob_gap_stats(trainer_all, behaviour_all))
     return out
+
+
+def _combine_ranks(shard: DataShard, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all):
+    """Every rank's sums and log-probs combined: the statistics one process would compute on the whole batch."""
+    parts = shard.all_gather((loss_total, weighted, ratio_max, ratio_min, trainer_all.cpu(), behaviour_all.cpu()))
+    summed: dict[str, float] = {}
+    for part in parts:
+        for key, value in part[1].items():
+            summed[key] = summed.get(key, 0.0) + value
+    device = trainer_all.device
+    return (sum(part[0] for part in parts), summed, max(part[2] for part in parts), min(part[3] for part in parts),
+            torch.cat([part[4] for part in parts]).to(device), torch.cat([part[5] for part in parts]).to(device))
 
 
 @torch.no_grad()

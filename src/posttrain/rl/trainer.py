@@ -13,6 +13,10 @@ The guard (`rl.guarding`) evaluates regression suites every N steps; a regressed
 share (from a batch index fixed in advance, so threaded and inline runs agree) and/or adds a replay SFT loss.
 A collapse alarm can, by recipe, roll the run back to the last good checkpoint with a lower learning rate.
 Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``.
+
+Where the policy trains and where rollouts run is an `RLBackend`: `run_rl` uses `local_backend` (this process:
+the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes its own to
+`run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same.
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from posttrain.config import dump_recipe
+from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
 from posttrain.models import (
     ModelError,
@@ -54,9 +58,9 @@ from posttrain.rl.guarding import (
 )
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
 from posttrain.rl.returns import episode_return
-from posttrain.rl.rollouts import BatchProducer, engine_rollout, sampling_params
+from posttrain.rl.rollouts import BatchProducer, RolloutFn, engine_rollout, sampling_params
 from posttrain.rl.selftest import engine_trainer_self_test
-from posttrain.rl.step import rl_update
+from posttrain.rl.step import DataShard, rl_update
 from posttrain.schedule import ALARM_KINDS, DROPPED_KEY, Scheduler, TaskSampler, is_dropped
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
@@ -93,22 +97,70 @@ class _Cursor:
     train_seconds: float = 0.0
 
 
+class PolicyTrainer(Protocol):
+    """Where the policy's weights are trained: `LocalPolicy` here, an FSDP trainer group in `posttrain.distributed`."""
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+               ) -> dict[str, float]:
+        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``)."""
+        ...
+
+    def weights(self, copy: bool = False) -> Any:
+        """The weights the engines get for the current version (a state dict, or a handle their owner takes)."""
+        ...
+
+    def full_model(self) -> torch.nn.Module:
+        """The whole policy in this process, up to date: checkpoints, evaluation and the self-test read it."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": ..., "scheduler": ...}`` in one process's format, for the checkpoint."""
+        ...
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None: ...
+
+    def set_lr_scale(self, scale: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RLBackend:
+    """What the RL loop runs on: the trainer; the engine(s) behind the InferenceEngine contract (weights by
+    version, and the self-test's generate); the rollout function the batch producer calls; the setup of the
+    producer thread (None when rollouts run in other processes); and what to close at the end."""
+
+    policy: PolicyTrainer
+    engine: Any
+    rollout: RolloutFn
+    thread_setup: Callable[[], None] | None = None
+    close: Callable[[], None] | None = None
+
+
+# make_backend(recipe, runtime, tokenizer, model) -> the backend; `model` is the loaded, prepared policy
+BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
+
+
 @dataclass
 class _Run:
     """What the loop works on; a rollback swaps the pipeline."""
 
     recipe: RLRecipe
     output_dir: Path
-    model: Any
     tokenizer: Any
-    engine: Any
-    optimizer: Any
-    scheduler: Any
-    base_lrs: list[float]
+    backend: RLBackend
     sampler: TaskSampler
     guard: RunGuard
     runtime: Runtime
     pipeline: RolloutPipeline | None = None
+
+    @property
+    def policy(self) -> PolicyTrainer:
+        return self.backend.policy
+
+    @property
+    def engine(self) -> Any:
+        return self.backend.engine
 
 
 def run_rl(
@@ -118,6 +170,21 @@ def run_rl(
     sampler: TaskSampler | None = None,
     on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
 ) -> RLResult:
+    if recipe.cluster.backend != "local":
+        raise ConfigError(f"rl: cluster.backend is '{recipe.cluster.backend}': start the run through "
+                         "posttrain.distributed (python -m posttrain.distributed rl recipe.yaml)")
+    return run_rl_on(recipe, local_backend, resume=resume, sampler=sampler, on_step=on_step)
+
+
+def run_rl_on(
+    recipe: RLRecipe,
+    make_backend: BackendFactory,
+    *,
+    resume: bool = False,
+    sampler: TaskSampler | None = None,
+    on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
+) -> RLResult:
+    """`run_rl` on the given backend (`local_backend`, or one of `posttrain.distributed`)."""
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
@@ -125,35 +192,43 @@ def run_rl(
     if recipe.model.path is None:
         raise ModelError("rl: model.path is required (RL starts from a trained model: run `posttrain sft` first)")
 
-    # Policy, engine (its own copy of the weights), reference (only when the KL term is on).
+    # Policy, engine(s) with their own copy of the weights, reference (only when the KL term is on).
     tokenizer = load_tokenizer(recipe.model)
     model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
-    engine = _make_engine(model, tokenizer, runtime, recipe)
-    reference = _make_reference(model, recipe, runtime) if recipe.algorithm.kl_coef > 0 else None
-    optimizer = build_optimizer(model, recipe.optim)
-    scheduler = build_scheduler(optimizer, recipe.optim, recipe.train.max_steps * recipe.train.updates_per_batch)
+    backend = make_backend(recipe, runtime, tokenizer, model)
+    try:
+        return _train(recipe, backend, runtime, tokenizer, output_dir, resume, sampler, on_step)
+    finally:
+        backend.policy.close()
+        if backend.close is not None:
+            backend.close()
+
+
+def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, resume: bool,
+           sampler: TaskSampler | None, on_step) -> RLResult:
     sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
     suites = regression_suites(recipe)
-    run = _Run(recipe, output_dir, model, tokenizer, engine, optimizer, scheduler, list(scheduler.base_lrs),
-               sampler, RunGuard(recipe, suites), runtime)
+    run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime)
+    policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         cursor, pending = _restore(run, checkpoint)
         say(f"[rl] resumed from {checkpoint} at step {cursor.step}")
-    engine.update_weights(engine_state(model), cursor.step)
+    engine.update_weights(policy.weights(), cursor.step)
 
     tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="rl")
     if recipe.pipeline.self_test:
         probe = [t for t in sampler_preview(recipe)][:8]
-        gap = engine_trainer_self_test(engine, model, tokenizer, probe, runtime,
+        gap = engine_trainer_self_test(engine, policy.full_model(), tokenizer, probe, runtime,
                                        temperature=recipe.rollout.sampling.temperature,
                                        max_new_tokens=recipe.rollout.sampling.max_new_tokens,
                                        tolerance=recipe.pipeline.self_test_tolerance, seed=recipe.runtime.seed)
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
+    model = policy.full_model()  # the evaluator reads it; `full_model()` brings it up to date before each use
     evaluator = SuiteEvaluator(model, tokenizer, suites, recipe.rollout.sampling.max_new_tokens,
                                lambda: _make_engine(model, tokenizer, runtime, recipe))
     history: list[dict[str, float]] = []
@@ -172,17 +247,17 @@ def run_rl(
             started = time.perf_counter()
             batch = run.pipeline.next_batch()
             replay = run.guard.replay_batch(cursor.step)
-            metrics = _train_on(batch, cursor.step, model, optimizer, scheduler, tokenizer, runtime, recipe,
-                                reference, replay)
+            metrics = _train_on(batch, cursor.step, policy, recipe, replay)
             cursor.step += 1
             # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
-            run.pipeline.publish_weights(cursor.step, engine_state(model, copy=recipe.pipeline.max_staleness > 0))
+            run.pipeline.publish_weights(cursor.step, policy.weights(copy=recipe.pipeline.max_staleness > 0))
             _log_episodes(episodes_log, batch)
             metrics["time/step_s"] = time.perf_counter() - started
             cursor.train_seconds += metrics["time/step_s"]
             metrics.update(batch_schedule_metrics(batch))
             events: list[dict[str, Any]] = []
             if run.guard.evaluates_at(cursor.step):
+                policy.full_model()
                 eval_metrics, events = _evaluate(run, evaluator, cursor.step, events_log)
                 metrics.update(eval_metrics)
             events += _report_events(run.guard.after_step(cursor.step, metrics), events_log)
@@ -201,7 +276,7 @@ def run_rl(
             if on_step is not None and on_step(step, metrics):
                 break
         _save(run, cursor)
-        final_dir = save_model_dir(output_dir / "final", model, tokenizer, merge_lora=True)
+        final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer, merge_lora=True)
         final = evaluator(cursor.step) if suites else {}
         if final:
             tracker.log(suite_metrics(recipe, final), step=cursor.step)
@@ -215,10 +290,80 @@ def run_rl(
     return result
 
 
+def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
+    """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
+    engine = _make_engine(model, tokenizer, runtime, recipe)
+    return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
+                     thread_setup=_thread_budget(recipe.rollout.engine_threads))
+
+
+class LocalPolicy:
+    """The policy, its optimizer and schedule (and the reference, when the KL term is on) in this process.
+
+    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and a `DataShard`."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, runtime: Runtime, recipe: RLRecipe, *,
+                 shard: DataShard | None = None, replay_scale: float = 1.0, reference=None):
+        self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
+        self.shard, self.replay_scale = shard, replay_scale
+        if reference is None and recipe.algorithm.kl_coef > 0:
+            reference = make_reference(model, recipe, runtime)
+        self.reference = reference
+        self.optimizer = build_optimizer(model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim,
+                                         recipe.train.max_steps * recipe.train.updates_per_batch)
+        self.base_lrs = list(self.scheduler.base_lrs)
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+               ) -> dict[str, float]:
+        recipe, model = self.recipe, self.model
+        metrics: dict[str, float] = {}
+        if replay:
+            guard = recipe.schedule.guard
+            # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
+            # Data-parallel ranks each take the whole replay batch; `replay_scale` (1 / ranks) keeps the sum.
+            metrics.update(replay_sft_backward(model, replay, self.tokenizer, self.runtime,
+                                               coef=guard.replay_coef * self.replay_scale,
+                                               max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
+                                               micro_batch_size=recipe.train.micro_batch_size))
+        stats = rl_update(
+            model, self.optimizer, self.scheduler, trajectories, advantages,
+            config=recipe.algorithm, runtime=self.runtime, pad_id=self.tokenizer.pad_token_id,
+            temperature=_train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
+            max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
+            updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
+        ) if trajectories else {}
+        if not trajectories and "guard/replay_loss" in metrics:
+            stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
+        metrics.update({f"train/{k}": v for k, v in stats.items()})
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        return engine_state(self.model, copy=copy)
+
+    def full_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        load_weights_from_checkpoint(self.model, checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def set_lr_scale(self, scale: float) -> None:
+        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
+
+    def close(self) -> None:
+        pass
+
+
 def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> RolloutPipeline:
     recipe = run.recipe
     produce = BatchProducer(
-        engine_rollout(run.engine, run.tokenizer, recipe), run.sampler,
+        run.backend.rollout, run.sampler,
         prompts_per_step=recipe.rollout.prompts_per_step, sampling=sampling_params(recipe),
         seed=recipe.runtime.seed, dynamic=recipe.schedule.dynamic_sampling, attempt=run.guard.rollbacks,
     )
@@ -226,7 +371,7 @@ def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> 
         produce, run.engine.update_weights, max_staleness=recipe.pipeline.max_staleness,
         overlap=recipe.pipeline.overlap,
         start_index=cursor.step, start_version=cursor.step, engine_version=cursor.step, pending=pending,
-        thread_setup=_thread_budget(recipe.rollout.engine_threads),
+        thread_setup=run.backend.thread_setup,
     )
 
 
@@ -250,28 +395,26 @@ def _roll_back(run: _Run, cursor: _Cursor, events_log) -> _Cursor:
     target, target_step = run.guard.rollback_target(run.output_dir)
     _report_events([run.guard.begin_rollback(cursor.step, target_step)], events_log)
     if target is None:
-        set_lr_scale(run.optimizer, run.scheduler, run.base_lrs, run.guard.lr_scale)
+        run.policy.set_lr_scale(run.guard.lr_scale)
         return cursor
     run.pipeline.close()
     # The checkpoint's pending batches are dropped: trained again from the same weights they would repeat the
     # very step that raised the alarm. The sampler goes on from its checkpointed state with fresh seeds.
     restored, _ = _restore(run, target, keep_history=True)
     restored.train_seconds = cursor.train_seconds  # the time budget counts the discarded steps too
-    run.engine.update_weights(engine_state(run.model), restored.step)
+    run.engine.update_weights(run.policy.weights(), restored.step)
     run.pipeline = _start_pipeline(run, restored, [])
     return restored
 
 
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
     state = load_training_state(checkpoint)
-    load_weights_from_checkpoint(run.model, checkpoint)
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
+    run.policy.load_checkpoint(checkpoint, state)
     run.sampler.load_state_dict(state["sampler"])
     if "guard" in state:
         run.guard.load_state_dict(state["guard"], keep_history=keep_history)
     if run.guard.lr_scale != 1.0:
-        set_lr_scale(run.optimizer, run.scheduler, run.base_lrs, run.guard.lr_scale)
+        run.policy.set_lr_scale(run.guard.lr_scale)
     restore_rng(state["rng"])
     return _Cursor(**state["cursor"]), [RolloutBatch.from_dict(b) for b in state["pending"]]
 
@@ -328,8 +471,8 @@ def _summary(result: RLResult) -> dict[str, Any]:
 # ---- the batch -> update step --------------------------------------------------------------------------
 
 
-def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, tokenizer, runtime: Runtime,
-              recipe: RLRecipe, reference, replay: list | None = None) -> dict[str, float]:
+def _train_on(batch: RolloutBatch, step: int, policy: PolicyTrainer, recipe: RLRecipe,
+              replay: list | None = None) -> dict[str, float]:
     usable, counts = select_trainable(batch.trajectories, step, recipe)
     returns, components = [], defaultdict(list)
     for trajectory in usable:
@@ -345,23 +488,7 @@ def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, token
                if not (recipe.returns.overlong == "mask" and t.truncated)]
     counts["overlong_masked"] = len(usable) - len(trained)
     started = time.perf_counter()
-    metrics: dict[str, float] = {}
-    if replay:
-        guard = recipe.schedule.guard
-        # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
-        metrics.update(replay_sft_backward(model, replay, tokenizer, runtime, coef=guard.replay_coef,
-                                           max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
-                                           micro_batch_size=recipe.train.micro_batch_size))
-    stats = rl_update(
-        model, optimizer, scheduler, [t for t, _ in trained], [a for _, a in trained],
-        config=recipe.algorithm, runtime=runtime, pad_id=tokenizer.pad_token_id,
-        temperature=_train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
-        max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
-        updates_per_batch=recipe.train.updates_per_batch, reference=reference,
-    ) if trained else {}
-    if not trained and "guard/replay_loss" in metrics:
-        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
-    metrics.update({f"train/{k}": v for k, v in stats.items()})
+    metrics = policy.update([t for t, _ in trained], [a for _, a in trained], replay)
     metrics["time/train_s"] = time.perf_counter() - started
     metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
     metrics.update(batch_metrics(batch.trajectories))
@@ -369,7 +496,6 @@ def _train_on(batch: RolloutBatch, step: int, model, optimizer, scheduler, token
     metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
     metrics["policy/version"] = float(step)
     metrics["policy/staleness"] = float(step - batch.policy_version)
-    metrics["train/lr"] = scheduler.get_last_lr()[0]
     return metrics
 
 
@@ -458,7 +584,7 @@ def _make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe):
                     max_batch_size=recipe.rollout.engine_batch_size)
 
 
-def _make_reference(model, recipe: RLRecipe, runtime: Runtime):
+def make_reference(model, recipe: RLRecipe, runtime: Runtime):
     """log-probs of the scored tokens under the reference policy: the base with the adapter off (LoRA), or a
     frozen copy of the starting weights."""
     temperature = _train_temperature(recipe)
@@ -500,9 +626,8 @@ def sampler_preview(recipe: RLRecipe) -> list[Task]:
 def _save(run: _Run, cursor: _Cursor) -> None:
     # Taken between two batches, so the sampler's state and the pending batches agree.
     pending, sampler_state = run.pipeline.checkpoint_state(lambda: copy.deepcopy(run.sampler.state_dict()))
-    save_checkpoint(run.output_dir, cursor.step, run.model, run.tokenizer, {
-        "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-        "cursor": vars(cursor).copy(), "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
+    save_checkpoint(run.output_dir, cursor.step, run.policy.full_model(), run.tokenizer, {
+        **run.policy.state_dict(), "cursor": vars(cursor).copy(), "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
         "guard": copy.deepcopy(run.guard.state_dict()),
     }, keep=run.recipe.train.keep_checkpoints)
 

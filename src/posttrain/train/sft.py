@@ -5,15 +5,21 @@
 Loss: mean cross-entropy over assistant tokens of the whole optimizer batch (see `train.losses`).
 A run resumes exactly: the data order is a pure function of (seed, epoch), so the checkpoint stores only
 the cursor (epoch, row), plus optimizer, schedule and RNG states.
+
+Sharded over processes (`posttrain.distributed`: a torchrun launch or Ray actors), every rank runs this same
+function with a `DataParallel`: the model is sharded after its weights are loaded, each rank trains on its share
+of every step's rows (the loss normalized by the whole step's tokens, gradients summed across ranks), and rank 0
+alone writes metrics and checkpoints, in the same format as a one-process run.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -34,6 +40,41 @@ from posttrain.tracking import Tracker, say
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
+
+
+class DataParallel(Protocol):
+    """What a sharded run plugs in (implemented over torch.distributed by `posttrain.distributed`)."""
+
+    rank: int
+
+    def shard_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
+        """This rank's micro-batches of a step: the same count on every rank, some possibly empty."""
+        ...
+
+    def idle_backward(self, model: torch.nn.Module) -> None: ...
+
+    def all_gather(self, value: Any) -> list[Any]: ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer state in one process's format on rank 0 (None elsewhere); every rank must call it."""
+        ...
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
+
+    def full_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """An unsharded model with the current weights on rank 0 (None elsewhere); every rank must call it."""
+        ...
+
+
+class _Silent:
+    """The tracker of a rank that does not write (every rank but 0 of a sharded run)."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    start_progress = advance = close = log
 
 
 @dataclass
@@ -64,18 +105,27 @@ def run_sft(
     *,
     resume: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    parallel: DataParallel | None = None,
 ) -> SFTResult:
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    writer = parallel is None or parallel.rank == 0
+    if writer:
+        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
 
     # Model and data. The built-in tokenizer (no model.path) is trained on the run's own text.
     corpus = read_all_texts(recipe.data) if recipe.model.path is None and not recipe.model.tokenizer_path else None
     tokenizer = load_tokenizer(recipe.model, corpus=corpus)
-    data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=output_dir)
+    rejects_dir = output_dir if writer else Path(tempfile.mkdtemp(prefix="posttrain-rejects-"))
+    data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=rejects_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
+    checkpoint = latest_checkpoint(output_dir) if resume else None
+    if checkpoint is not None:
+        load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
+    if parallel is not None:
+        model = parallel.shard_model(model)
 
     rows_per_epoch = len(data.epoch_rows(0))
     steps_per_epoch = max(1, math.ceil(rows_per_epoch / recipe.train.batch_size))
@@ -84,11 +134,12 @@ def run_sft(
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
 
     cursor = _Cursor()
-    checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         state = load_training_state(checkpoint)
-        load_weights_from_checkpoint(model, checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
+        if parallel is not None:
+            parallel.load_optimizer_state(optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         cursor = _Cursor(**state["cursor"])
         restore_rng(state["rng"])
@@ -96,21 +147,26 @@ def run_sft(
     elif resume:
         say(f"[sft] --resume: no checkpoint in {output_dir}, starting fresh")
 
-    tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="sft")
+    tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="sft") \
+        if writer else _Silent()
     if cursor.step == 0:
         tracker.log({f"data/{k}": v for k, v in _flat(data.report).items()}, step=0)
-    say(
-        f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, {rows_per_epoch} rows/epoch, "
-        f"{total_steps} steps, {runtime.precision} on {runtime.device}"
-    )
+    if writer:
+        say(
+            f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, {rows_per_epoch} "
+            f"rows/epoch, {total_steps} steps, {runtime.precision} on {runtime.device}"
+        )
     train_loss = _train_loop(recipe, model, tokenizer, data, optimizer, scheduler, runtime, cursor, total_steps,
-                             tracker, on_step, output_dir)
+                             tracker, on_step, output_dir, parallel)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
                                  recipe.train.batch_size) if data.has_heldout else None
     if heldout_loss is not None:
         tracker.log({"eval/heldout_loss": heldout_loss}, step=cursor.step)
-    _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor)
-    final_dir = save_model_dir(output_dir / "final", model, tokenizer, merge_lora=True)
+    _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor, parallel)
+    final_dir = output_dir / "final"
+    whole = model if parallel is None else parallel.full_model(model)
+    if whole is not None:
+        save_model_dir(final_dir, whole, tokenizer, merge_lora=True)
     tracker.close()
     return SFTResult(
         output_dir=output_dir,
@@ -125,7 +181,8 @@ def run_sft(
 
 
 def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, scheduler, runtime: Runtime,
-                cursor: _Cursor, total_steps: int, tracker: Tracker, on_step, output_dir: Path) -> float:
+                cursor: _Cursor, total_steps: int, tracker: Tracker, on_step, output_dir: Path,
+                parallel: DataParallel | None = None) -> float:
     config = recipe.train
     micro = config.micro_batch_size or config.batch_size
     rows = data.epoch_rows(cursor.epoch)
@@ -142,18 +199,28 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             rows = data.epoch_rows(cursor.epoch)
         step_rows = rows[cursor.row : cursor.row + config.batch_size]
         started = time.perf_counter()
-        batches = [
-            collate(step_rows[start : start + micro], tokenizer.pad_token_id, device=runtime.device)
-            for start in range(0, len(step_rows), micro)
-        ]
-        trained_tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
+        if parallel is None:
+            chunks = [step_rows[start : start + micro] for start in range(0, len(step_rows), micro)]
+        else:
+            chunks = parallel.micro_batches(step_rows, micro)  # this rank's share of the step
+        batches = [collate(chunk, tokenizer.pad_token_id, device=runtime.device) if chunk else None
+                   for chunk in chunks]
+        trained_tokens = sum(int((b["labels"] != -100).sum()) for b in batches if b is not None)
+        if parallel is not None:  # every rank divides by the whole step's tokens
+            trained_tokens = sum(parallel.all_gather(trained_tokens))
         loss_sum, input_tokens = 0.0, 0
         for batch in batches:
+            if batch is None:
+                parallel.idle_backward(model)
+                continue
             with runtime.autocast():
                 summed, _ = sft_loss_sum(model, batch)
             (summed / max(trained_tokens, 1)).backward()
             loss_sum += float(summed.detach())
             input_tokens += batch["num_tokens"]
+        if parallel is not None:
+            parts = parallel.all_gather((loss_sum, input_tokens))
+            loss_sum, input_tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
         grad_norm = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
         cursor.train_seconds += time.perf_counter() - started
         cursor.step += 1
@@ -182,7 +249,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             tracker.log({"eval/heldout_loss": loss}, step=cursor.step)
             model.train()
         if config.save_every and cursor.step % config.save_every == 0 and cursor.step < total_steps:
-            _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor)
+            _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor, parallel)
     return last_loss
 
 
@@ -200,13 +267,18 @@ def evaluate_loss(model, rows, pad_id: int, runtime: Runtime, batch_size: int) -
     return total / max(count, 1)
 
 
-def _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor: _Cursor) -> None:
+def _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor: _Cursor,
+          parallel: DataParallel | None = None) -> None:
+    optimizer_state = optimizer.state_dict() if parallel is None else parallel.optimizer_state(optimizer)
+    whole = model if parallel is None else parallel.full_model(model)
+    if whole is None:  # not rank 0: it took part in gathering the state, rank 0 writes it
+        return
     save_checkpoint(
         output_dir,
         cursor.step,
-        model,
+        whole,
         tokenizer,
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "cursor": vars(cursor).copy()},
+        {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "cursor": vars(cursor).copy()},
         keep=recipe.train.keep_checkpoints,
     )
 

@@ -1,0 +1,19 @@
+"""Distributed runs: the same RL and SFT recipes on a Ray cluster, the trainer sharded with torch FSDP.
+
+    from posttrain.distributed import run_rl, run_sft
+    run_rl(recipe)   # recipe.cluster.backend: ray -> engine actors, sandbox workers, an FSDP trainer group
+
+    python -m posttrain.distributed rl recipe.yaml cluster.backend=ray
+    torchrun --nproc_per_node 2 -m posttrain.distributed sft recipe.yaml
+
+Nothing below this package imports Ray: the rooms it places (rollout engines, sandboxes, the RL step, the SFT
+loop) take a backend or a `DataParallel`/`DataShard` seam and do not know where they run. Ray itself is imported
+only when a Ray run starts, so torchrun launches need no Ray. docs/distributed.md has the cluster set-up.
+"""
+
+from posttrain.distributed.errors import DistributedError, PlacementError, TrainerRankError
+from posttrain.distributed.parallel import TorchDataParallel
+from posttrain.distributed.rl import run_rl
+from posttrain.distributed.sft import run_sft
+
+__all__ = ["DistributedError", "PlacementError", "TorchDataParallel", "TrainerRankError", "run_rl", "run_sft"]

@@ -1,0 +1,222 @@
+"""posttrain.distributed on a local Ray cluster (loopback, 2 CPUs): placement, sandbox workers, RL with 2 engine
+actors and a 2-rank FSDP trainer (gloo) against the one-process run, and the fault paths.
+
+Tolerances: with the same seeds the engine actors sample the very tokens one process samples (rewards and
+episodes are equal), and the 2-rank trainer's losses equal one process's within 1e-6 (absolute) and its weights
+within 1e-4 after the steps (float sums in another order; Adam turns tiny gradient differences into at most
+~1e-5 of weight here, against ~3e-3 of total change). Runs of the same backend are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import test_rl_pipeline  # noqa: F401 - registers the `test_digits` domain here too
+import torch
+from safetensors.torch import load_file
+
+from posttrain.config.rl import RLRecipe
+from posttrain.models import build_tiny_model, save_model_dir
+
+ray = pytest.importorskip("ray")
+
+HERE = Path(__file__).resolve().parent
+STEPS, PROMPTS, GROUP = 4, 3, 4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private 2-CPU Ray instance on loopback; workers import the test domain (`test_digits`, a smooth digit-share
+    reward) from tests/test_rl_pipeline.py, as `cluster.worker_imports` says."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": str(HERE), "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tiny_tokenizer):
+    path = tmp_path_factory.mktemp("policy")
+    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    return path
+
+
+def recipe(policy_dir, output, ray_backend: bool = True, **cluster) -> RLRecipe:
+    section = {"backend": "ray", "num_rollout_workers": 2, "num_trainer_workers": 2,
+               "rollout": {"num_cpus": 0.5, "threads": 1}, "trainer": {"num_cpus": 0.5, "threads": 1},
+               "worker_imports": ["test_rl_pipeline"], **cluster} if ray_backend else {}
+    return RLRecipe.model_validate({
+        "output_dir": str(output),
+        "model": {"path": str(policy_dir)},
+        "domains": [{"name": "test_digits", "heldout": 0}],
+        "rollout": {"prompts_per_step": PROMPTS, "sampling": {"group_size": GROUP, "max_new_tokens": 8}},
+        "optim": {"lr": 1e-3},
+        "train": {"max_steps": STEPS, "micro_batch_size": 5, "save_every": 2},
+        "pipeline": {"self_test": True},
+        "runtime": {"precision": "fp32"},
+        "tracking": {"tensorboard": False, "progress": False},
+        "cluster": section,
+    })
+
+
+def figures(result) -> list[tuple[float, float, float]]:
+    return [(m["train/loss"], m["train/grad_norm"], m["reward/mean"]) for m in result.history]
+
+
+def episodes(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "episodes.jsonl").read_text().splitlines()]
+
+
+def max_weight_gap(a: Path, b: Path) -> float:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    return max(float((wa[key] - wb[key]).abs().max()) for key in wa)
+
+
+def named_actor(suffix: str):
+    names = [name for name in ray.util.list_named_actors() if name.endswith(suffix)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0])
+
+
+# ---- fast: part of the default suite ---------------------------------------------------------------------
+
+
+def test_split_and_shares_are_deterministic_and_in_step():
+    from posttrain.distributed.engines import _split
+    from posttrain.distributed.parallel import TorchDataParallel
+
+    assert _split(7, 3) == [(0, 3), (3, 5), (5, 7)] and _split(1, 2) == [(0, 1), (1, 1)]
+    ranks = [TorchDataParallel.__new__(TorchDataParallel) for _ in range(2)]
+    for rank, shard in enumerate(ranks):
+        shard.rank, shard.world_size, shard._units = rank, 2, []
+    shares = [shard.micro_batches(list(range(7)), 2) for shard in ranks]
+    assert shares == [[[0, 2], [4, 6]], [[1, 3], [5]]]  # same count on both ranks, every item once
+    assert [shard.micro_batches([0], 4) for shard in ranks] == [[[0]], [[]]]  # rank 1 idles, in step
+
+
+@pytest.mark.ray
+def test_placement_is_checked_before_anything_starts(ray_cluster, policy_dir, tmp_path):
+    from posttrain.distributed import PlacementError, run_rl
+
+    config = recipe(policy_dir, tmp_path / "run", num_rollout_workers=4, rollout={"num_cpus": 1},
+                    trainer={"num_cpus": 1})
+    with pytest.raises(PlacementError, match=r"4 rollout workers x 1 \+ 2 trainer ranks x 1 = 6 CPUs, but .* has 2"):
+        run_rl(config)
+    assert not ray.util.list_named_actors()  # nothing was started
+    gpus = recipe(policy_dir, tmp_path / "run", trainer={"num_cpus": 0.5, "num_gpus": 1})
+    with pytest.raises(PlacementError, match="2 trainer ranks x 1 = 2 GPUs, but .* has 0"):
+        run_rl(gpus)
+
+
+@pytest.mark.ray
+def test_sandbox_workers_run_jails_and_survive_a_kill(ray_cluster):
+    import asyncio
+
+    from posttrain.config.common import ClusterConfig
+    from posttrain.distributed.cluster import Placement, Role
+    from posttrain.distributed.sandbox import RaySandboxPool, start_sandbox_workers
+    from posttrain.distributed.trainer import kill_all
+    from posttrain.sandbox import Sandbox
+
+    cluster = ClusterConfig(backend="ray", num_sandbox_workers=2, sandbox_slots=2, sandbox={"num_cpus": 0.5},
+                            sandbox_backend="bubblewrap" if shutil.which("bwrap") else "unsafe-local")
+    placement = Placement(cluster, [Role("sandbox workers", 2, cluster.sandbox)])
+    workers = start_sandbox_workers(cluster, placement, "posttrain-test")
+    try:
+        box = Sandbox(pool=RaySandboxPool(workers))
+        assert box.run_python("print(6 * 7)").stdout == "42\n"
+        before = ray.get(workers[0].pid.remote())
+
+        async def many():
+            runs = [box.arun_python(f"import time; time.sleep(0.5); print({i})") for i in range(6)]
+            return await asyncio.gather(*runs)
+
+        threading.Timer(0.3, lambda: ray.kill(workers[0], no_restart=False)).start()
+        results = asyncio.run(many())
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(6)]  # every run once, none lost
+        assert all(r.status == "ok" for r in results)
+        assert ray.get(workers[0].pid.remote()) != before  # the killed worker was restarted
+    finally:
+        kill_all(ray, workers)
+        placement.close()
+
+
+# ---- slow: whole RL runs on Ray --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_run(ray_cluster, policy_dir, tmp_path_factory):
+    from posttrain.distributed import run_rl
+
+    return run_rl(recipe(policy_dir, tmp_path_factory.mktemp("ray") / "run"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_rl_on_ray_matches_the_one_process_run(ray_run, policy_dir, tmp_path):
+    from posttrain.rl.trainer import run_rl
+
+    local = run_rl(recipe(policy_dir, tmp_path / "local", ray_backend=False))
+    assert len(ray_run.history) == len(local.history) == STEPS
+    for (loss_a, norm_a, reward_a), (loss_b, norm_b, reward_b) in zip(figures(local), figures(ray_run)):
+        assert reward_a == reward_b  # the engine actors sampled the same tokens
+        assert loss_b == pytest.approx(loss_a, abs=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-4)
+    assert [e["messages"] for e in episodes(local.output_dir)] == [e["messages"] for e in episodes(ray_run.output_dir)]
+    assert max_weight_gap(local.final_dir, ray_run.final_dir) < 1e-4
+    assert max_weight_gap(policy_dir, local.final_dir) > 1e-3  # it trained: the weights moved ~100x the gap
+    # Every engine acknowledged each version; each batch was sampled with the version it was due.
+    assert all(m["cluster/engines_at_version"] == 2 for m in ray_run.history)
+    assert [e["policy_version"] for e in episodes(ray_run.output_dir)] == [
+        step for step in range(STEPS) for _ in range(PROMPTS * GROUP)]
+    assert all(m["time/weight_sync_s"] >= 0 and m["time/weights_gather_s"] > 0 for m in ray_run.history)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_rollout_worker_is_restarted_and_no_episode_is_lost_or_doubled(ray_run, policy_dir, tmp_path):
+    from posttrain.distributed import run_rl
+
+    def kill_soon(step, metrics):
+        if step == 1:  # lands while the next batch is being rolled out (or just before): both must recover
+            worker = named_actor("-rollout-0")
+            threading.Timer(0.2, lambda: ray.kill(worker, no_restart=False)).start()
+
+    killed = run_rl(recipe(policy_dir, tmp_path / "killed"), on_step=kill_soon)
+    assert killed.history[-1]["cluster/rollout_restarts"] >= 1
+    logged = episodes(killed.output_dir)
+    assert len(logged) == STEPS * PROMPTS * GROUP
+    per_group = Counter((e["step"], e["group_id"]) for e in logged)
+    assert sorted(Counter(step for step, _ in per_group).values()) == [PROMPTS] * STEPS
+    assert set(per_group.values()) == {GROUP}  # every group whole, none twice
+    assert figures(killed) == figures(ray_run)  # the same episodes, the same steps, bit for bit
+    assert max_weight_gap(killed.final_dir, ray_run.final_dir) == 0.0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_dead_trainer_rank_stops_the_run_and_resume_continues_exactly(ray_run, policy_dir, tmp_path):
+    from posttrain.distributed import TrainerRankError, run_rl
+
+    def kill_rank(step, metrics):
+        if step == 3:
+            ray.kill(named_actor("-trainer-1"), no_restart=True)
+
+    with pytest.raises(TrainerRankError, match="--resume"):
+        run_rl(recipe(policy_dir, tmp_path / "run"), on_step=kill_rank)
+    time.sleep(0.5)
+    assert not [name for name in ray.util.list_named_actors() if "-trainer-" in name]  # the group was stopped
+    resumed = run_rl(recipe(policy_dir, tmp_path / "run"), resume=True)
+    assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]  # from the checkpoint of step 2
+    assert figures(resumed) == figures(ray_run)[2:]
+    assert max_weight_gap(resumed.final_dir, ray_run.final_dir) == 0.0
+    # The checkpoint is one process's: the local backend resumes it too.
+    assert (resumed.output_dir / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    assert torch.load(resumed.output_dir / "checkpoints" / "step-000004" / "training_state.pt",
+                      weights_only=False)["optimizer"]["state"]
