@@ -13,7 +13,7 @@ from posttrain.models.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
+from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device, set_attention
 from posttrain.models.lora import apply_lora, is_lora, merged_copy, reference_mode
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
@@ -42,6 +42,7 @@ __all__ = [
     "save_checkpoint",
     "save_model_dir",
     "segments_from_positions",
+    "set_attention",
     "tiny_config",
     "train_tokenizer",
     "varlen_attention_forward",
