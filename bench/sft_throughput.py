@@ -4,10 +4,11 @@ utilisation against this machine's measured bf16 matmul peak.
     python bench/sft_throughput.py [--presets tiny-3m] [--samples 6000] [--steps 40] [--repeats 3] [--threads N]
 
 Same model (the built-in tiny Llama, same initial weights), same data (arithmetic chats with their column
-working, ~45 tokens each, loss on the assistant reply only), same tokens per optimizer step, bf16 (autocast for
+working, ~45 tokens each, loss on the assistant reply only), same tokens per optimizer step, same optimizer settings, bf16 (autocast for
 posttrain, `bf16=True` for TRL), gradient checkpointing off for both. posttrain packs samples into 128-token
 rows (variable-length attention on CPU); TRL runs twice, packed (its BFD packing) and unpacked, and its faster
-configuration is the baseline. Tokens/s counts real (non-padding) tokens over the training steps only.
+configuration is the baseline. Tokens/s counts real (non-padding) tokens per second in the steady state (the
+median step after `--warmup` steps: posttrain compiles its decoder, ~35 s once, reported as `wall_s`).
 Runs alternate (ours, TRL packed, TRL unpacked, ours, ...) and figures are medians: the machine is shared.
 
 Model FLOPs per token (PaLM's accounting): 6 * N + 12 * L * d * T, with N the parameters of the decoder layers
@@ -31,6 +32,8 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
 
 MAX_LENGTH = 128
 
@@ -63,8 +66,9 @@ def flops_per_token(model, mean_length: float) -> float:
     return 6 * parameters + 12 * config.num_hidden_layers * config.hidden_size * mean_length
 
 
-def run_ours(base: Path, data: Path, steps: int, rows_per_step: int, threads: int) -> dict:
+def run_ours(base: Path, data: Path, steps: int, rows_per_step: int, threads: int, warmup: int) -> dict:
     from posttrain.config import SFTRecipe
+    from posttrain.tracking import read_metrics
     from posttrain.train.sft import run_sft
 
     with tempfile.TemporaryDirectory() as out:
@@ -72,16 +76,35 @@ def run_ours(base: Path, data: Path, steps: int, rows_per_step: int, threads: in
             "output_dir": out,
             "model": {"path": str(base)},
             "data": {"train": [{"path": str(data)}], "max_length": MAX_LENGTH, "pack": True},
-            "optim": {"lr": 1e-3, "warmup_steps": 5, "weight_decay": 0.0},
-            "train": {"batch_size": rows_per_step, "max_steps": steps, "log_every": steps},
-            "runtime": {"precision": "bf16", "num_threads": threads},
+            # TRL's defaults (AdamW betas 0.9/0.999, no weight decay), so the losses can be compared.
+            "optim": {"lr": 1e-3, "warmup_steps": 5, "weight_decay": 0.0, "betas": [0.9, 0.999]},
+            "train": {"batch_size": rows_per_step, "max_steps": steps + warmup, "log_every": 1},
+            "runtime": {"precision": "bf16", "num_threads": threads, "compile": True},
             "tracking": {"tensorboard": False, "progress": False},
         })
+        started = time.perf_counter()
         result = run_sft(recipe)
-    return {"tokens_per_s": result.tokens_per_s, "loss": result.train_loss, "tokens": result.tokens_per_s * result.seconds}
+        wall = time.perf_counter() - started
+        records = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "train/tokens_per_s" in r]
+    per_step = [r["train/tokens_per_s"] for r in records if r["step"] > warmup]
+    final_loss = statistics.mean(r["train/loss"] for r in records[-5:])
+    return {"tokens_per_s": statistics.median(per_step), "loss": final_loss, "wall_s": wall}
 
 
-def run_trl(base: Path, samples: list[dict], steps: int, batch: int, packed: bool, threads: int) -> dict:
+class _StepClock(TrainerCallback):
+    """Times every optimizer step of a transformers Trainer (steady state = the steps after warm-up)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def run_trl(base: Path, samples: list[dict], steps: int, batch: int, packed: bool, threads: int, warmup: int) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -94,22 +117,23 @@ def run_trl(base: Path, samples: list[dict], steps: int, batch: int, packed: boo
                 "completion": [{"role": "assistant",
                                 "content": f"<think>{s['metadata']['reasoning_trace']}</think>"
                                            f"{s['messages'][-1]['content']}"}]} for s in samples]
+    clock = _StepClock()
     with tempfile.TemporaryDirectory() as out:
         config = SFTConfig(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-3,
+            output_dir=out, max_steps=steps + warmup, per_device_train_batch_size=batch, learning_rate=1e-3,
             warmup_steps=5, lr_scheduler_type="cosine", max_length=MAX_LENGTH, packing=packed,
             completion_only_loss=True, bf16=True, use_cpu=True, gradient_checkpointing=False,
-            logging_steps=steps, report_to="none", save_strategy="no", dataset_num_proc=1, seed=0,
+            logging_steps=1, report_to="none", save_strategy="no", dataset_num_proc=1, seed=0,
+            disable_tqdm=True,
         )
         trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
-                             processing_class=tokenizer)
-        # Real tokens the steps will see: every example's length, cycled as the sampler does (approximately).
+                             processing_class=tokenizer, callbacks=[clock])
         lengths = [len(row["input_ids"]) for row in trainer.train_dataset]
-        per_step = sum(lengths) / len(lengths) * batch
-        metrics = trainer.train().metrics
-        runtime = metrics["train_runtime"]
-        loss = metrics.get("train_loss", float("nan"))
-    return {"tokens_per_s": per_step * steps / runtime, "loss": loss}
+        tokens_per_step = sum(lengths) / len(lengths) * batch  # real tokens: rows are not padded past their length
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        loss = statistics.mean(float(x) for x in losses[-5:])
+    return {"tokens_per_s": tokens_per_step / statistics.median(clock.times[warmup:]), "loss": loss}
 
 
 def main() -> int:
@@ -118,6 +142,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=6000)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rows", type=int, default=32, help="posttrain: packed 128-token rows per step")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figure")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args()
@@ -157,20 +182,20 @@ def main() -> int:
             figures: dict[str, list] = {"ours": [], "trl_packed": [], "trl_unpacked": []}
             losses: dict[str, list] = {key: [] for key in figures}
             for _ in range(args.repeats):
-                ours = run_ours(base, data, args.steps, args.rows, threads)
+                ours = run_ours(base, data, args.steps, args.rows, threads, args.warmup)
                 figures["ours"].append(ours["tokens_per_s"])
                 losses["ours"].append(ours["loss"])
                 if have_trl:
                     for packed, key in ((True, "trl_packed"), (False, "trl_unpacked")):
                         batch = args.rows if packed else max(1, round(args.rows * samples_per_row))
-                        trl_run = run_trl(base, samples, args.steps, batch, packed, threads)
+                        trl_run = run_trl(base, samples, args.steps, batch, packed, threads, args.warmup)
                         figures[key].append(trl_run["tokens_per_s"])
                         losses[key].append(trl_run["loss"])
             medians = {key: statistics.median(v) for key, v in figures.items() if v}
             mfu = medians["ours"] * flops_per_token(model, mean_length) / (peak * 1e9)
             entry = {
                 "tokens_per_s": {k: round(v) for k, v in medians.items()},
-                "final_loss": {k: round(statistics.median(v), 4) for k, v in losses.items() if v},
+                "final_loss": {k: round(statistics.median(v), 4) for k, v in losses.items() if v},  # last 5 steps
                 "mfu_ours": round(mfu, 3),
                 "parameters": sum(p.numel() for p in model.parameters()),
             }
