@@ -53,7 +53,7 @@ def free_port() -> int:
 def torchrun(recipe: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "-m", "posttrain.distributed", "sft", str(recipe), *extra]
+               "--master_port", str(free_port()), "-m", "posttrain", "sft", str(recipe), *extra]
     # A new session, so a timeout can end the launcher and both ranks together.
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

@@ -20,10 +20,13 @@ def recipe_path(name: str) -> Path:
 
 
 def sft(args: argparse.Namespace) -> int:
-    from posttrain.train.sft import run_sft
+    # posttrain.distributed runs it in this process unless launched under torchrun or with cluster.backend: ray.
+    from posttrain.distributed import run_sft
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, SFTRecipe)
     result = run_sft(recipe, resume=args.resume)
+    if result is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     say(
         f"[sft] done: {result.steps} steps in {result.seconds:.0f}s ({result.tokens_per_s:,.0f} tokens/s), "
         f"train loss {result.train_loss:.4f}"
@@ -71,8 +74,7 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
 
 def rl(args: argparse.Namespace) -> int:
     from posttrain.config.rl import RLRecipe
-    from posttrain.rl.trainer import run_rl
-    from posttrain.tracking import say
+    from posttrain.distributed import run_rl  # local unless cluster.backend: ray
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RLRecipe)
     result = run_rl(recipe, resume=args.resume)

@@ -3,8 +3,8 @@
     from posttrain.distributed import run_rl, run_sft
     run_rl(recipe)   # recipe.cluster.backend: ray -> engine actors, sandbox workers, an FSDP trainer group
 
-    python -m posttrain.distributed rl recipe.yaml cluster.backend=ray
-    torchrun --nproc_per_node 2 -m posttrain.distributed sft recipe.yaml
+    posttrain rl recipe.yaml cluster.backend=ray
+    torchrun --nproc_per_node 2 -m posttrain sft recipe.yaml
 
 Nothing below this package imports Ray: the rooms it places (rollout engines, sandboxes, the RL step, the SFT
 loop) take a backend or a `DataParallel`/`DataShard` seam and do not know where they run. Ray itself is imported

@@ -1,6 +1,6 @@
 """The RL recipe on a Ray cluster: the same loop as `posttrain.rl.trainer` on a Ray backend.
 
-    python -m posttrain.distributed rl recipe.yaml cluster.backend=ray [--resume]
+    posttrain rl recipe.yaml cluster.backend=ray [--resume]
 
 Before anything starts, the cluster is checked for the CPUs/GPUs of every requested actor (`cluster.Placement`).
 Then: sandbox workers (if any), ``num_rollout_workers`` engine actors (`engines.EngineGroup`) and

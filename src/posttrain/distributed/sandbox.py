@@ -67,17 +67,29 @@ class RaySandboxPool:
         self.size = len(self.workers)
         self._turn = itertools.count()
         self._lock = threading.Lock()
-        self._owner_pid = os.getpid()  # `posttrain.sandbox.default_pool` re-creates a pool in a forked child
+        self._retries = 2 * self.size  # of a run that came back as infra_error
 
     def _next(self) -> Any:
         with self._lock:
             return self.workers[next(self._turn) % self.size]
 
     def execute(self, request: RunRequest) -> RunResult:
-        return self._ray.get(self._next().execute.remote(request))
+        result = self._ray.get(self._next().execute.remote(request))
+        for _ in range(self._retries):
+            if not result.is_infra_error:
+                break
+            result = self._ray.get(self._next().execute.remote(request))
+        return result
 
     async def aexecute(self, request: RunRequest) -> RunResult:
-        return await self._next().execute.remote(request)
+        # A worker that dies mid-run can hand back its jails' infra_error before Ray restarts it: such a run
+        # is not the program's doing, so it runs again (on the next worker), as Ray re-runs a lost task.
+        result = await self._next().execute.remote(request)
+        for _ in range(self._retries):
+            if not result.is_infra_error:
+                break
+            result = await self._next().execute.remote(request)
+        return result
 
     def submit(self, request: RunRequest) -> Future:
         return self._next().execute.remote(request).future()
@@ -104,7 +116,6 @@ class RaySandboxPool:
 
 def install_default_pool(pool: Any) -> None:
     """Make `pool` this process's default sandbox pool (what `Sandbox()` without a pool uses)."""
-    from posttrain.sandbox import sandbox as sandbox_module
+    from posttrain.sandbox import set_default_pool
 
-    # posttrain.sandbox has no public setter yet; its default pool is this module-level slot.
-    sandbox_module._default_pool = pool
+    set_default_pool(pool)

@@ -1,8 +1,8 @@
 """SFT sharded across processes: a torchrun-style launch, or a group of Ray actors, each rank running the same
 `posttrain.train.sft.run_sft` with a `TorchDataParallel` (see that module for what a rank does).
 
-    torchrun --nproc_per_node 2 -m posttrain.distributed sft recipe.yaml [--resume]
-    python -m posttrain.distributed sft recipe.yaml cluster.backend=ray cluster.num_trainer_workers=2
+    torchrun --nproc_per_node 2 -m posttrain sft recipe.yaml [--resume]
+    posttrain sft recipe.yaml cluster.backend=ray cluster.num_trainer_workers=2
 
 Rank 0 writes the checkpoints and the final model (the same files as a one-process run, so either kind of run
 resumes the other's checkpoint); every rank reads the data itself, so the data and `output_dir` must be on a

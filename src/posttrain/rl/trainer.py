@@ -171,8 +171,8 @@ def run_rl(
     on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
 ) -> RLResult:
     if recipe.cluster.backend != "local":
-        raise ConfigError(f"rl: cluster.backend is '{recipe.cluster.backend}': start the run through "
-                         "posttrain.distributed (python -m posttrain.distributed rl recipe.yaml)")
+        raise ConfigError(f"rl: cluster.backend is '{recipe.cluster.backend}': run it with `posttrain rl` or "
+                          "posttrain.distributed.run_rl (this function runs in one process)")
     return run_rl_on(recipe, local_backend, resume=resume, sampler=sampler, on_step=on_step)
 
 

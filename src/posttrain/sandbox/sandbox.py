@@ -20,21 +20,30 @@ from posttrain.sandbox.pool import SandboxPool
 from posttrain.sandbox.request import FileContent, RunRequest
 
 _default_pool: SandboxPool | None = None
+_default_owner: int | None = None  # the pid that made it: a forked child makes its own
 _default_lock = threading.Lock()
 
 
 def default_pool() -> SandboxPool:
     """The process-wide pool shared by every `Sandbox` built without one (re-created in a forked child)."""
-    global _default_pool
+    global _default_pool, _default_owner
     with _default_lock:
-        if _default_pool is None or _default_pool._owner_pid != os.getpid():
-            _default_pool = SandboxPool()
+        if _default_pool is None or _default_owner != os.getpid():
+            _default_pool, _default_owner = SandboxPool(), os.getpid()
         return _default_pool
+
+
+def set_default_pool(pool: SandboxPool) -> None:
+    """Make `pool` this process's default (e.g. a pool that sends runs to remote sandbox workers). Any
+    object with the pool's `execute`/`aexecute` methods will do; the previous default is not closed."""
+    global _default_pool, _default_owner
+    with _default_lock:
+        _default_pool, _default_owner = pool, os.getpid()
 
 
 @atexit.register
 def _close_default_pool() -> None:
-    if _default_pool is not None and _default_pool._owner_pid == os.getpid():
+    if _default_pool is not None and _default_owner == os.getpid() and hasattr(_default_pool, "close"):
         _default_pool.close()
 
 
