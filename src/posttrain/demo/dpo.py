@@ -21,7 +21,7 @@ PAIRS_FILE = "dpo_pairs.jsonl"
 
 @demo_stage("dpo")
 def dpo(run: DemoRun) -> dict[str, Any]:
-    from posttrain.rl.trainer import episode_record
+    from posttrain.rl.records import episode_record
     from posttrain.train.dpo import run_dpo
 
     policy = run.model_after("sft")

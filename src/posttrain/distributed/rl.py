@@ -24,7 +24,8 @@ from posttrain.distributed.sandbox import ROLE as SANDBOX_ROLE
 from posttrain.distributed.sandbox import start_sandbox_workers
 from posttrain.distributed.trainer import ROLE as TRAINER_ROLE
 from posttrain.distributed.trainer import TrainerGroup, kill_all
-from posttrain.rl.trainer import RLBackend, RLResult, run_rl_on
+from posttrain.rl.backend import RLBackend
+from posttrain.rl.trainer import RLResult, run_rl_on
 from posttrain.rl.trainer import run_rl as run_rl_local
 from posttrain.schedule import TaskSampler
 from posttrain.train.step import Runtime

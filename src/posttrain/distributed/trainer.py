@@ -62,7 +62,7 @@ class TrainerRank:
 
     def setup_rl(self, recipe: RLRecipe, init_method: str) -> None:
         from posttrain.models import load_model, load_tokenizer
-        from posttrain.rl.trainer import LocalPolicy, make_reference
+        from posttrain.rl.backend import LocalPolicy, make_reference
         from posttrain.train.step import prepare_model, setup_runtime
 
         self._join(init_method)
@@ -173,7 +173,7 @@ class TrainerGroup:
 
     def weights(self, copy: bool = False) -> Any:
         if self._state_ref is None:
-            from posttrain.rl.trainer import engine_state
+            from posttrain.rl.backend import engine_state
 
             return engine_state(self.model)
         return self._state_ref
@@ -189,7 +189,7 @@ class TrainerGroup:
         return self._get([rank.optimizer_state.remote() for rank in self.ranks], "checkpoint")[0]
 
     def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        from posttrain.rl.trainer import engine_state
+        from posttrain.rl.backend import engine_state
 
         self.ready()
         load_weights_from_checkpoint(self.model, checkpoint)

@@ -14,9 +14,10 @@ share (from a batch index fixed in advance, so threaded and inline runs agree) a
 A collapse alarm can, by recipe, roll the run back to the last good checkpoint with a lower learning rate.
 Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``.
 
-Where the policy trains and where rollouts run is an `RLBackend`: `run_rl` uses `local_backend` (this process:
-the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes its own to
-`run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same.
+Where the policy trains and where rollouts run is an `RLBackend` (`rl.backend`): `run_rl` uses `local_backend`
+(this process: the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes
+its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same. What is recorded of
+each batch (metrics, episode records, events) is in `rl.records`.
 """
 
 from __future__ import annotations
@@ -27,22 +28,17 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable
 
-import torch
 
 from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
 from posttrain.models import (
     ModelError,
-    is_lora,
     latest_checkpoint,
     load_model,
     load_tokenizer,
     load_training_state,
-    load_weights_from_checkpoint,
-    merged_copy,
-    reference_mode,
     restore_rng,
     save_checkpoint,
     save_model_dir,
@@ -52,22 +48,25 @@ from posttrain.rl.guarding import (
     RunGuard,
     SuiteEvaluator,
     regression_suites,
-    replay_sft_backward,
-    set_lr_scale,
     suite_metrics,
 )
+from posttrain.rl.backend import (
+    BackendFactory,
+    PolicyTrainer,
+    RLBackend,
+    local_backend,
+    make_engine,
+)
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
+from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe_event, episode_record, select_trainable
 from posttrain.rl.returns import episode_return
-from posttrain.rl.rollouts import BatchProducer, RolloutFn, engine_rollout, sampling_params
+from posttrain.rl.rollouts import BatchProducer, sampling_params
 from posttrain.rl.selftest import engine_trainer_self_test
-from posttrain.rl.step import DataShard, rl_update
-from posttrain.schedule import ALARM_KINDS, DROPPED_KEY, Scheduler, TaskSampler, is_dropped
+from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
-from posttrain.train.forward import selected_logits, target_logprobs
-from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
-from posttrain.types import FailureClass, Task, Trajectory
+from posttrain.train.step import Runtime, prepare_model, setup_runtime
+from posttrain.types import Task
 
 EPISODES_FILE = "episodes.jsonl"
 FAILURES_FILE = "failures.jsonl"
@@ -95,50 +94,6 @@ class RLResult:
 class _Cursor:
     step: int = 0  # optimizer steps taken == the policy version the trainer holds
     train_seconds: float = 0.0
-
-
-class PolicyTrainer(Protocol):
-    """Where the policy's weights are trained: `LocalPolicy` here, an FSDP trainer group in `posttrain.distributed`."""
-
-    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
-               ) -> dict[str, float]:
-        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``)."""
-        ...
-
-    def weights(self, copy: bool = False) -> Any:
-        """The weights the engines get for the current version (a state dict, or a handle their owner takes)."""
-        ...
-
-    def full_model(self) -> torch.nn.Module:
-        """The whole policy in this process, up to date: checkpoints, evaluation and the self-test read it."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": ..., "scheduler": ...}`` in one process's format, for the checkpoint."""
-        ...
-
-    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None: ...
-
-    def set_lr_scale(self, scale: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class RLBackend:
-    """What the RL loop runs on: the trainer; the engine(s) behind the InferenceEngine contract (weights by
-    version, and the self-test's generate); the rollout function the batch producer calls; the setup of the
-    producer thread (None when rollouts run in other processes); and what to close at the end."""
-
-    policy: PolicyTrainer
-    engine: Any
-    rollout: RolloutFn
-    thread_setup: Callable[[], None] | None = None
-    close: Callable[[], None] | None = None
-
-
-# make_backend(recipe, runtime, tokenizer, model) -> the backend; `model` is the loaded, prepared policy
-BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
 
 
 @dataclass
@@ -230,7 +185,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
 
     model = policy.full_model()  # the evaluator reads it; `full_model()` brings it up to date before each use
     evaluator = SuiteEvaluator(model, tokenizer, suites, recipe.rollout.sampling.max_new_tokens,
-                               lambda: _make_engine(model, tokenizer, runtime, recipe))
+                               lambda: make_engine(model, tokenizer, runtime, recipe))
     history: list[dict[str, float]] = []
     episodes_log = open(output_dir / EPISODES_FILE, "a", encoding="utf-8")
     events_log = open(output_dir / EVENTS_FILE, "a", encoding="utf-8")
@@ -288,76 +243,6 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
     result = _result(run, cursor, final_dir, final, history)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(_summary(result), indent=2) + "\n")
     return result
-
-
-def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
-    """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
-    engine = _make_engine(model, tokenizer, runtime, recipe)
-    return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
-                     thread_setup=_thread_budget(recipe.rollout.engine_threads))
-
-
-class LocalPolicy:
-    """The policy, its optimizer and schedule (and the reference, when the KL term is on) in this process.
-
-    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and a `DataShard`."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer, runtime: Runtime, recipe: RLRecipe, *,
-                 shard: DataShard | None = None, replay_scale: float = 1.0, reference=None):
-        self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
-        self.shard, self.replay_scale = shard, replay_scale
-        if reference is None and recipe.algorithm.kl_coef > 0:
-            reference = make_reference(model, recipe, runtime)
-        self.reference = reference
-        self.optimizer = build_optimizer(model, recipe.optim)
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim,
-                                         recipe.train.max_steps * recipe.train.updates_per_batch)
-        self.base_lrs = list(self.scheduler.base_lrs)
-
-    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
-               ) -> dict[str, float]:
-        recipe, model = self.recipe, self.model
-        metrics: dict[str, float] = {}
-        if replay:
-            guard = recipe.schedule.guard
-            # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
-            # Data-parallel ranks each take the whole replay batch; `replay_scale` (1 / ranks) keeps the sum.
-            metrics.update(replay_sft_backward(model, replay, self.tokenizer, self.runtime,
-                                               coef=guard.replay_coef * self.replay_scale,
-                                               max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
-                                               micro_batch_size=recipe.train.micro_batch_size))
-        stats = rl_update(
-            model, self.optimizer, self.scheduler, trajectories, advantages,
-            config=recipe.algorithm, runtime=self.runtime, pad_id=self.tokenizer.pad_token_id,
-            temperature=_train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
-            max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
-            updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
-        ) if trajectories else {}
-        if not trajectories and "guard/replay_loss" in metrics:
-            stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
-        metrics.update({f"train/{k}": v for k, v in stats.items()})
-        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
-
-    def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
-        return engine_state(self.model, copy=copy)
-
-    def full_model(self) -> torch.nn.Module:
-        return self.model
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        load_weights_from_checkpoint(self.model, checkpoint)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def set_lr_scale(self, scale: float) -> None:
-        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
-
-    def close(self) -> None:
-        pass
 
 
 def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> RolloutPipeline:
@@ -427,21 +312,6 @@ def _report_events(events: list[dict[str, Any]], events_log) -> list[dict[str, A
     return events
 
 
-def describe_event(event: dict[str, Any]) -> str:
-    kind, step = event["kind"], event["step"]
-    if kind == "regression":
-        return (f"step {step}: guard: suite '{event['suite']}' fell to {event['value']:.3f} (best {event['best']:.3f} "
-                f"at step {event['best_step']}); action: {', '.join(event['actions'])}")
-    if kind == "recovered":
-        return f"step {step}: guard: suite '{event['suite']}' recovered to {event['value']:.3f}"
-    if kind == "rollback":
-        return (f"step {step}: rolled back to the checkpoint of step {event['to_step']}, learning rate now "
-                f"x{event['lr_scale']:g} (rollback {event['rollbacks']})")
-    if kind == "lr_decrease":
-        return f"step {step}: no good checkpoint to roll back to; learning rate now x{event['lr_scale']:g}"
-    return f"step {step}: alarm {kind}: {event['metric']} = {event['value']:.4g} (threshold {event['threshold']:.4g})"
-
-
 def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float],
             history: list[dict[str, float]]) -> RLResult:
     last = history[-1] if history else {}
@@ -499,117 +369,7 @@ def _train_on(batch: RolloutBatch, step: int, policy: PolicyTrainer, recipe: RLR
     return metrics
 
 
-def select_trainable(trajectories: Sequence[Trajectory], step: int, recipe: RLRecipe
-                     ) -> tuple[list[Trajectory], dict[str, int]]:
-    """Drop what must not be trained on: infrastructure failures (masked, never a 0 reward), groups the
-    producer dropped (no reward spread), and, by recipe, trajectories older than `max_staleness` versions.
-    Returns the rest and the counts."""
-    counts = {"episodes": len(trajectories), "infra_masked": 0, "filtered": 0, "stale_dropped": 0, "stale_kept": 0}
-    usable = []
-    for trajectory in trajectories:
-        if trajectory.reward.is_infrastructure_failure:
-            counts["infra_masked"] += 1
-            continue
-        if is_dropped(trajectory):
-            counts["filtered"] += 1
-            continue
-        if trajectory.policy_tokens == 0:
-            continue
-        if step - trajectory.min_policy_version > recipe.pipeline.max_staleness:
-            if recipe.pipeline.stale == "drop":
-                counts["stale_dropped"] += 1
-                continue
-            counts["stale_kept"] += 1  # the behaviour ratio (clipped) reweights it
-        usable.append(trajectory)
-    return usable, counts
-
-
-def batch_schedule_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """The producer's snapshot of the sampler (curriculum, mix, counters) and its dynamic-sampling counts."""
-    metrics = {f"dynamic/{k}": float(v) for k, v in batch.stats.get("dynamic", {}).items()}
-    metrics.update({k: float(v) for k, v in batch.stats.get("schedule", {}).items()})
-    return metrics
-
-
-def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    by_domain: dict[str, list[Trajectory]] = defaultdict(list)
-    for trajectory in trajectories:
-        if not trajectory.reward.is_infrastructure_failure:
-            by_domain[trajectory.domain].append(trajectory)
-    scored = [t for group in by_domain.values() for t in group]
-    metrics: dict[str, float] = {}
-    if scored:
-        metrics["reward/mean"] = sum(t.reward.score for t in scored) / len(scored)
-        metrics["reward/pass_rate"] = sum(t.reward.passed for t in scored) / len(scored)
-        metrics["rollout/policy_tokens"] = sum(t.policy_tokens for t in scored) / len(scored)
-        metrics["rollout/truncated"] = sum(t.truncated for t in scored) / len(scored)
-        metrics["rollout/steps"] = sum(t.steps for t in scored) / len(scored)
-        calls = sum(t.tool_calls for t in scored)
-        if calls:
-            metrics["rollout/tool_call_success"] = sum(t.tool_calls_ok for t in scored) / calls
-    for domain, group in by_domain.items():
-        metrics[f"reward/{domain}"] = sum(t.reward.score for t in group) / len(group)
-        metrics[f"pass_rate/{domain}"] = sum(t.reward.passed for t in group) / len(group)
-    failures: dict[str, int] = defaultdict(int)
-    for trajectory in trajectories:
-        if trajectory.reward.failure is not FailureClass.NONE:
-            failures[trajectory.reward.failure.value] += 1
-    metrics.update({f"failures/{k}": float(v) for k, v in failures.items()})
-    return metrics
-
-
 # ---- engine, reference, evaluation -----------------------------------------------------------------------
-
-
-def engine_state(model: torch.nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
-    """The weights an engine serves: the merged model for LoRA; detached (cloned when the trainer will keep
-    updating them while the engine still needs this version)."""
-    from posttrain.rollout import state_for_engine
-
-    state = state_for_engine(model)
-    return {k: v.detach().clone() for k, v in state.items()} if copy else state
-
-
-def _make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe):
-    if recipe.rollout.engine == "vllm":
-        from posttrain.rollout import VLLMEngine
-
-        return VLLMEngine(recipe.model.path, tokenizer=tokenizer)
-    from posttrain.rollout import HFEngine
-
-    engine_model = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
-    for parameter in engine_model.parameters():
-        parameter.requires_grad_(False)
-    return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
-                    max_batch_size=recipe.rollout.engine_batch_size)
-
-
-def make_reference(model, recipe: RLRecipe, runtime: Runtime):
-    """log-probs of the scored tokens under the reference policy: the base with the adapter off (LoRA), or a
-    frozen copy of the starting weights."""
-    temperature = _train_temperature(recipe)
-    if is_lora(model):
-        def lora_reference(input_ids, attention_mask, score_mask):
-            with reference_mode(model):
-                logits = selected_logits(model, input_ids, score_mask, attention_mask=attention_mask)
-            targets = input_ids[:, 1:][score_mask]
-            return target_logprobs(logits, targets, temperature)
-
-        return lora_reference
-    frozen = copy.deepcopy(model).eval()
-    for parameter in frozen.parameters():
-        parameter.requires_grad_(False)
-
-    def copy_reference(input_ids, attention_mask, score_mask):
-        logits = selected_logits(frozen, input_ids, score_mask, attention_mask=attention_mask)
-        return target_logprobs(logits, input_ids[:, 1:][score_mask], temperature)
-
-    return copy_reference
-
-
-def _train_temperature(recipe: RLRecipe) -> float:
-    temperature = recipe.rollout.sampling.temperature
-    return temperature if temperature > 0 else 1.0
 
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
@@ -638,29 +398,3 @@ def _log_episodes(handle, batch: RolloutBatch) -> None:
     handle.flush()
 
 
-def episode_record(trajectory: Trajectory, step: int) -> dict[str, Any]:
-    """What the data flywheel keeps of an episode: the transcript, the verdict, and where it came from."""
-    return {
-        "step": step,
-        "task_id": trajectory.task_id,
-        "domain": trajectory.domain,
-        "difficulty": trajectory.difficulty,
-        "group_id": trajectory.group_id,
-        "passed": trajectory.reward.passed,
-        "score": trajectory.reward.score,
-        "failure": trajectory.reward.failure.value,
-        "details": trajectory.reward.details,
-        "messages": trajectory.messages,
-        "policy_version": trajectory.min_policy_version,
-        "dropped": trajectory.metadata.get(DROPPED_KEY),  # why the group did not reach the trainer, if it did not
-    }
-
-
-def _thread_budget(threads: int | None) -> Callable[[], None] | None:
-    if not threads:
-        return None
-
-    def setup() -> None:
-        torch.set_num_threads(threads)
-
-    return setup

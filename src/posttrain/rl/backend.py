@@ -1,0 +1,203 @@
+"""Where the RL policy trains and where its rollouts come from: the `RLBackend` seam.
+
+`run_rl` uses `local_backend`: the model, its optimizer and schedule in this process (`LocalPolicy`), an
+`HFEngine` holding its own copy of the weights beside it, rollouts on the pipeline's producer thread.
+`posttrain.distributed` builds another backend (engine actors, an FSDP trainer group) and the loop in
+`rl.trainer` stays the same. Also here: what an engine is served (`engine_state`: the merged weights of a
+LoRA policy) and the reference policy for the KL term (`make_reference`: the adapter switched off under
+LoRA, a frozen copy otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from posttrain.config.rl import RLRecipe
+from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
+from posttrain.rl.guarding import replay_sft_backward, set_lr_scale
+from posttrain.rl.rollouts import RolloutFn, engine_rollout
+from posttrain.rl.step import DataShard, rl_update
+from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.step import Runtime, optimizer_step
+from posttrain.types import Trajectory
+
+
+class PolicyTrainer(Protocol):
+    """Where the policy's weights are trained: `LocalPolicy` here, an FSDP trainer group in `posttrain.distributed`."""
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+               ) -> dict[str, float]:
+        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``)."""
+        ...
+
+    def weights(self, copy: bool = False) -> Any:
+        """The weights the engines get for the current version (a state dict, or a handle their owner takes)."""
+        ...
+
+    def full_model(self) -> torch.nn.Module:
+        """The whole policy in this process, up to date: checkpoints, evaluation and the self-test read it."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": ..., "scheduler": ...}`` in one process's format, for the checkpoint."""
+        ...
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None: ...
+
+    def set_lr_scale(self, scale: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RLBackend:
+    """What the RL loop runs on: the trainer; the engine(s) behind the InferenceEngine contract (weights by
+    version, and the self-test's generate); the rollout function the batch producer calls; the setup of the
+    producer thread (None when rollouts run in other processes); and what to close at the end."""
+
+    policy: PolicyTrainer
+    engine: Any
+    rollout: RolloutFn
+    thread_setup: Callable[[], None] | None = None
+    close: Callable[[], None] | None = None
+
+
+# make_backend(recipe, runtime, tokenizer, model) -> the backend; `model` is the loaded, prepared policy
+BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
+
+
+def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
+    """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
+    engine = make_engine(model, tokenizer, runtime, recipe)
+    return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
+                     thread_setup=thread_budget(recipe.rollout.engine_threads))
+
+
+class LocalPolicy:
+    """The policy, its optimizer and schedule (and the reference, when the KL term is on) in this process.
+
+    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and a `DataShard`."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, runtime: Runtime, recipe: RLRecipe, *,
+                 shard: DataShard | None = None, replay_scale: float = 1.0, reference=None):
+        self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
+        self.shard, self.replay_scale = shard, replay_scale
+        if reference is None and recipe.algorithm.kl_coef > 0:
+            reference = make_reference(model, recipe, runtime)
+        self.reference = reference
+        self.optimizer = build_optimizer(model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim,
+                                         recipe.train.max_steps * recipe.train.updates_per_batch)
+        self.base_lrs = list(self.scheduler.base_lrs)
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+               ) -> dict[str, float]:
+        recipe, model = self.recipe, self.model
+        metrics: dict[str, float] = {}
+        if replay:
+            guard = recipe.schedule.guard
+            # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
+            # Data-parallel ranks each take the whole replay batch; `replay_scale` (1 / ranks) keeps the sum.
+            metrics.update(replay_sft_backward(model, replay, self.tokenizer, self.runtime,
+                                               coef=guard.replay_coef * self.replay_scale,
+                                               max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
+                                               micro_batch_size=recipe.train.micro_batch_size))
+        stats = rl_update(
+            model, self.optimizer, self.scheduler, trajectories, advantages,
+            config=recipe.algorithm, runtime=self.runtime, pad_id=self.tokenizer.pad_token_id,
+            temperature=train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
+            max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
+            updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
+        ) if trajectories else {}
+        if not trajectories and "guard/replay_loss" in metrics:
+            stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
+        metrics.update({f"train/{k}": v for k, v in stats.items()})
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        return engine_state(self.model, copy=copy)
+
+    def full_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        load_weights_from_checkpoint(self.model, checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def set_lr_scale(self, scale: float) -> None:
+        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
+
+    def close(self) -> None:
+        pass
+
+
+def engine_state(model: torch.nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The weights an engine serves: the merged model for LoRA; detached (cloned when the trainer will keep
+    updating them while the engine still needs this version)."""
+    from posttrain.rollout import state_for_engine
+
+    state = state_for_engine(model)
+    return {k: v.detach().clone() for k, v in state.items()} if copy else state
+
+
+def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe):
+    if recipe.rollout.engine == "vllm":
+        from posttrain.rollout import VLLMEngine
+
+        return VLLMEngine(recipe.model.path, tokenizer=tokenizer)
+    from posttrain.rollout import HFEngine
+
+    engine_model = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+    for parameter in engine_model.parameters():
+        parameter.requires_grad_(False)
+    return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
+                    max_batch_size=recipe.rollout.engine_batch_size)
+
+
+def make_reference(model, recipe: RLRecipe, runtime: Runtime):
+    """log-probs of the scored tokens under the reference policy: the base with the adapter off (LoRA), or a
+    frozen copy of the starting weights."""
+    temperature = train_temperature(recipe)
+    if is_lora(model):
+        def lora_reference(input_ids, attention_mask, score_mask):
+            with reference_mode(model):
+                logits = selected_logits(model, input_ids, score_mask, attention_mask=attention_mask)
+            targets = input_ids[:, 1:][score_mask]
+            return target_logprobs(logits, targets, temperature)
+
+        return lora_reference
+    frozen = copy.deepcopy(model).eval()
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+
+    def copy_reference(input_ids, attention_mask, score_mask):
+        logits = selected_logits(frozen, input_ids, score_mask, attention_mask=attention_mask)
+        return target_logprobs(logits, input_ids[:, 1:][score_mask], temperature)
+
+    return copy_reference
+
+
+def train_temperature(recipe: RLRecipe) -> float:
+    temperature = recipe.rollout.sampling.temperature
+    return temperature if temperature > 0 else 1.0
+
+
+def thread_budget(threads: int | None) -> Callable[[], None] | None:
+    if not threads:
+        return None
+
+    def setup() -> None:
+        torch.set_num_threads(threads)
+
+    return setup
