@@ -152,3 +152,19 @@ def test_activation_checkpointing_and_accumulation_keep_the_loss(tmp_path, data_
     for other in figures[1:]:
         for step in (1, 2, 3):
             assert other[step] == pytest.approx(figures[0][step], abs=1e-5)
+
+
+def test_early_stopping_on_the_evaluators_score(tmp_path, data_file):
+    scores = iter([0.5, 0.7, 0.6, 0.65, 0.69, 0.9])  # best at the 2nd evaluation, then 3 without improvement
+    calls = []
+
+    def evaluate(model):
+        calls.append(model.training)
+        return {"score": next(scores)}
+
+    recipe = load_recipe(write_recipe(tmp_path, data_file, train={
+        "max_steps": 20, "eval_every": 2, "early_stopping_patience": 3}), schema=SFTRecipe)
+    result = run_sft(recipe, evaluate=evaluate)
+    assert result.steps == 10 and len(calls) == 5
+    evals = [r for r in read_metrics(result.output_dir / "metrics.jsonl") if "eval/score" in r]
+    assert [r["eval/score"] for r in evals] == [0.5, 0.7, 0.6, 0.65, 0.69]

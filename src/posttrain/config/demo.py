@@ -29,6 +29,7 @@ class DemoDomain(Section):
     demos: int = Field(1000, ge=0)  # how many demonstrations SFT gets (scarce on purpose)
     heldout_levels: list[int] = [1]  # levels of the held-out evaluation set
     heldout: int = Field(200, ge=0)
+    validation: int = Field(50, ge=0)  # held-out-split items, apart from the test set, for SFT early stopping
 
 
 class DemoPairs(Section):

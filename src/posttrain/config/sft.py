@@ -73,7 +73,10 @@ class SFTTrainConfig(Section):
     epochs: float = Field(1.0, gt=0)
     max_minutes: float | None = None  # stop after this much training time (checked every step)
     log_every: int = Field(10, gt=0)
-    eval_every: int | None = None  # held-out loss every N steps (and at the end)
+    eval_every: int | None = None  # held-out loss (and the run's evaluator, if any) every N steps
+    # Stop once the held-out score (the evaluator's "score", else minus the held-out loss) has not improved
+    # for this many evaluations in a row.
+    early_stopping_patience: int | None = Field(None, gt=0)
     save_every: int | None = None  # checkpoint every N steps (and at the end)
     keep_checkpoints: int = Field(2, gt=0)
 

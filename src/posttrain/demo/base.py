@@ -25,6 +25,10 @@ def heldout_file(domain: str) -> str:
     return f"heldout_{domain}.jsonl"
 
 
+def validation_file(domain: str) -> str:
+    return f"validation_{domain}.jsonl"
+
+
 @demo_stage("base")
 def base(run: DemoRun) -> dict[str, Any]:
     recipe = run.recipe
@@ -37,6 +41,12 @@ def base(run: DemoRun) -> dict[str, Any]:
         demos += [domain.demonstration(task) for task in tasks]
         heldout[spec.name] = sample_tasks(domain, spec.heldout, level=spec.heldout_levels, split="heldout",
                                           seed=recipe.seed + index)
+        # Validation (early stopping) comes from the held-out split too, but never shares a problem with the test set.
+        test_keys = {task.metadata["problem_key"] for task in heldout[spec.name]}
+        candidates = sample_tasks(domain, 2 * spec.validation, level=spec.heldout_levels,
+                                  split="heldout", seed=recipe.seed + 100 + index) if spec.validation else []
+        validation = [t for t in candidates if t.metadata["problem_key"] not in test_keys][: spec.validation]
+        write_jsonl(run.data_dir / validation_file(spec.name), (task.to_dict() for task in validation))
     write_jsonl(run.data_dir / SFT_FILE, (sample.to_dict() for sample in demos))
     for name, tasks in heldout.items():
         write_jsonl(run.data_dir / heldout_file(name), (task.to_dict() for task in tasks))
@@ -54,10 +64,21 @@ def base(run: DemoRun) -> dict[str, Any]:
 
 
 def load_heldout(run: DemoRun) -> list[Task]:
+    """The demo's test set: every domain's held-out tasks."""
+    return _load_tasks(run, heldout_file)
+
+
+def load_validation(run: DemoRun) -> list[Task]:
+    """Every domain's validation tasks (held-out split, disjoint from the test set)."""
+    return _load_tasks(run, validation_file)
+
+
+def _load_tasks(run: DemoRun, name) -> list[Task]:
     tasks: list[Task] = []
     for spec in run.recipe.domains:
-        path = run.data_dir / heldout_file(spec.name)
-        tasks += [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        path = run.data_dir / name(spec.name)
+        if path.is_file():
+            tasks += [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     return tasks
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.data.flywheel import episodes_to_pairs, write_records
-from posttrain.demo.base import load_heldout
-from posttrain.demo.evaluation import heldout_accuracy
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
+from posttrain.demo.sft import evaluate_stage
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.types import SamplingParams, Task
 
@@ -36,18 +35,12 @@ def dpo(run: DemoRun) -> dict[str, Any]:
     recipe.data.train = [source(run.data_dir / PAIRS_FILE)]
     recipe.runtime.seed = run.recipe.seed
     result = run_dpo(recipe, resume=run.resume)
-    accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
-                                   max_new_tokens=run.recipe.eval.max_new_tokens,
-                                   batch_size=run.recipe.eval.batch_size)
-    return {
-        "heldout": accuracy,
-        "seconds": round(result.seconds + result.reference_seconds, 1),
-        "steps": result.steps,
-        "pairs": len(pairs),
-        "sampled_pass_rate": round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4),
-        "preference_accuracy": {"start": result.heldout_start.get("preference_accuracy"),
-                                "end": result.heldout.get("preference_accuracy")},
-    }
+    return evaluate_stage(
+        run, result.final_dir, seconds=result.seconds + result.reference_seconds, steps=result.steps, pairs=len(pairs),
+        sampled_pass_rate=round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4),
+        preference_accuracy={"start": result.heldout_start.get("preference_accuracy"),
+                             "end": result.heldout.get("preference_accuracy")},
+    )
 
 
 def _sample_episodes(run: DemoRun, policy):

@@ -13,10 +13,20 @@ from posttrain.types import Task, Trajectory
 def heldout_accuracy(model_dir: Path, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
                      device: str = "cpu") -> tuple[dict[str, float], list[Trajectory]]:
     """Greedy pass rate (pass@1) per domain of the model at `model_dir` over `tasks`, and the trajectories."""
-    from posttrain.config import EvalRuntime, EvalSampling
-    from posttrain.evaluate import ItemEpisodes, load_policy, outcome_metrics, run_items
+    from posttrain.config import EvalRuntime
+    from posttrain.evaluate import load_policy
 
     policy = load_policy(model_dir, EvalRuntime(device=device, batch_size=batch_size))
+    return policy_accuracy(policy, tasks, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device)
+
+
+def policy_accuracy(policy, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
+                    device: str = "cpu") -> tuple[dict[str, float], list[Trajectory]]:
+    """`heldout_accuracy` for an already loaded `posttrain.evaluate.Policy` (e.g. one kept up to date with a
+    model in training through `engine.update_weights`)."""
+    from posttrain.config import EvalRuntime, EvalSampling
+    from posttrain.evaluate import ItemEpisodes, outcome_metrics, run_items
+
     items, _ = run_items(policy, list(tasks), EvalSampling(max_new_tokens=max_new_tokens), EvalRuntime(
         device=device, batch_size=batch_size))
     by_domain: dict[str, list[ItemEpisodes]] = defaultdict(list)
@@ -24,3 +34,12 @@ def heldout_accuracy(model_dir: Path, tasks: Sequence[Task], *, max_new_tokens: 
         by_domain[item.task.domain].append(item)
     accuracy = {domain: outcome_metrics(group)["pass@1"] or 0.0 for domain, group in sorted(by_domain.items())}
     return accuracy, [item.greedy for item in items if item.greedy is not None]
+
+
+def accuracy_by_level(trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float]]:
+    """Greedy pass rate per domain and difficulty level: {"arithmetic": {"3": 0.99, "4": 0.41}}."""
+    passed: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for trajectory in trajectories:
+        passed[trajectory.domain][str(trajectory.difficulty)].append(bool(trajectory.reward.passed))
+    return {domain: {level: round(sum(v) / len(v), 4) for level, v in sorted(levels.items())}
+            for domain, levels in sorted(passed.items())}

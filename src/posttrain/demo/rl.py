@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.demo.base import SFT_FILE, load_heldout
-from posttrain.demo.evaluation import heldout_accuracy
+from posttrain.demo.base import SFT_FILE
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
+from posttrain.demo.sft import evaluate_stage
 
 
 @demo_stage("rl")
@@ -25,17 +25,10 @@ def rl(run: DemoRun) -> dict[str, Any]:
     recipe.model.path = str(policy)
     recipe.runtime.seed = run.recipe.seed
     result = run_rl(recipe, resume=run.resume)
-    accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
-                                   max_new_tokens=run.recipe.eval.max_new_tokens,
-                                   batch_size=run.recipe.eval.batch_size)
     last = result.history[-1] if result.history else {}
-    return {
-        "heldout": accuracy,
-        "seconds": round(result.seconds, 1),
-        "steps": result.steps,
-        "started_from": started_from,
-        "final_train_reward": round(last.get("reward/mean", 0.0), 4),
-    }
+    return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps, started_from=started_from,
+                          final_train_reward=round(last.get("reward/mean", 0.0), 4),
+                          curriculum=result.curriculum, mix_trained=result.mix_trained)
 
 
 @demo_stage("sft_control")
@@ -57,7 +50,4 @@ def sft_control(run: DemoRun) -> dict[str, Any]:
     recipe.train.max_steps, recipe.train.epochs = None, 1000.0
     recipe.train.max_minutes = rl_seconds / 60
     result = run_sft(recipe, resume=run.resume)
-    accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
-                                   max_new_tokens=run.recipe.eval.max_new_tokens,
-                                   batch_size=run.recipe.eval.batch_size)
-    return {"heldout": accuracy, "seconds": round(result.seconds, 1), "steps": result.steps}
+    return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps)

@@ -1,11 +1,12 @@
-"""Demo stage `sft`: fine-tune the base model on the demonstrations, then measure held-out accuracy."""
+"""Demo stage `sft`: fine-tune the base model on the (scarce) demonstrations until held-out accuracy on the
+validation tasks stops improving, then measure the test set."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from posttrain.demo.base import SFT_FILE, load_heldout
-from posttrain.demo.evaluation import heldout_accuracy
+from posttrain.demo.base import SFT_FILE, load_heldout, load_validation
+from posttrain.demo.evaluation import accuracy_by_level, heldout_accuracy, policy_accuracy
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 
 
@@ -18,14 +19,38 @@ def sft(run: DemoRun) -> dict[str, Any]:
     recipe.model.path = str(run.base_dir)
     recipe.data.train = [source(run.data_dir / SFT_FILE)]
     recipe.runtime.seed = run.recipe.seed
-    result = run_sft(recipe, resume=run.resume)
-    accuracy, _ = heldout_accuracy(result.final_dir, load_heldout(run),
-                                   max_new_tokens=run.recipe.eval.max_new_tokens,
-                                   batch_size=run.recipe.eval.batch_size)
-    return {
-        "heldout": accuracy,
-        "seconds": round(result.seconds, 1),
-        "steps": result.steps,
-        "train_loss": round(result.train_loss, 4),
-        "tokens_per_s": round(result.tokens_per_s),
-    }
+    result = run_sft(recipe, resume=run.resume, evaluate=validation_accuracy(run))
+    return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps,
+                          train_loss=round(result.train_loss, 4), tokens_per_s=round(result.tokens_per_s))
+
+
+def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
+    """A stage's summary entry: held-out accuracy per domain and per level, and its own figures."""
+    accuracy, trajectories = heldout_accuracy(model_dir, load_heldout(run),
+                                              max_new_tokens=run.recipe.eval.max_new_tokens,
+                                              batch_size=run.recipe.eval.batch_size)
+    if "seconds" in figures:
+        figures["seconds"] = round(figures["seconds"], 1)
+    return {"heldout": accuracy, "heldout_by_level": accuracy_by_level(trajectories), **figures}
+
+
+def validation_accuracy(run: DemoRun) -> Callable[[Any], dict[str, float]] | None:
+    """An SFT `evaluate` callback: greedy accuracy on the validation tasks, on an engine kept in step with the
+    model in training (its weights pushed in memory), as "score" (the mean over domains) and per domain."""
+    tasks = load_validation(run)
+    if not tasks:
+        return None
+    from posttrain.config import EvalRuntime
+    from posttrain.evaluate import load_policy
+    from posttrain.rollout import state_for_engine
+
+    policy = load_policy(run.base_dir, EvalRuntime(batch_size=run.recipe.eval.batch_size))
+    version = iter(range(1, 1 << 30))
+
+    def evaluate(model) -> dict[str, float]:
+        policy.engine.update_weights(state_for_engine(model), next(version))
+        accuracy, _ = policy_accuracy(policy, tasks, max_new_tokens=run.recipe.eval.max_new_tokens,
+                                      batch_size=run.recipe.eval.batch_size)
+        return {"score": sum(accuracy.values()) / len(accuracy), **{f"accuracy/{k}": v for k, v in accuracy.items()}}
+
+    return evaluate

@@ -74,9 +74,27 @@ BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
 
 def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
     """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
-    engine = make_engine(model, tokenizer, runtime, recipe)
+    engine_threads = split_cpu_threads(recipe, runtime)
+    engine = make_engine(model, tokenizer, runtime, recipe, num_threads=engine_threads)
     return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
-                     thread_setup=thread_budget(recipe.rollout.engine_threads))
+                     thread_setup=thread_budget(engine_threads))
+
+
+def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
+    """When rollouts overlap training on a CPU, give each side its own share of the cores.
+
+    Two sides each running torch on all cores oversubscribe them: OpenMP threads spin against each other and
+    both slow down many times over (measured here: ~50x for sampling). Unless the recipe sets them, the engine
+    gets half the cores (rounded down, at least one) and the trainer the rest. Returns the engine's threads.
+    """
+    overlapping = recipe.pipeline.overlap and recipe.pipeline.max_staleness > 0
+    if runtime.device.type != "cpu" or not overlapping:
+        return recipe.rollout.engine_threads
+    cores = recipe.runtime.num_threads or torch.get_num_threads()
+    engine_threads = recipe.rollout.engine_threads or max(1, cores // 2)
+    if recipe.runtime.num_threads is None:
+        torch.set_num_threads(max(1, cores - engine_threads))
+    return engine_threads
 
 
 class LocalPolicy:
@@ -151,7 +169,7 @@ def engine_state(model: torch.nn.Module, copy: bool = False) -> dict[str, torch.
     return {k: v.detach().clone() for k, v in state.items()} if copy else state
 
 
-def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe):
+def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_threads: int | None = None):
     if recipe.rollout.engine == "vllm":
         from posttrain.rollout import VLLMEngine
 
@@ -162,7 +180,7 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe):
     for parameter in engine_model.parameters():
         parameter.requires_grad_(False)
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
-                    max_batch_size=recipe.rollout.engine_batch_size)
+                    max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads)
 
 
 def make_reference(model, recipe: RLRecipe, runtime: Runtime):

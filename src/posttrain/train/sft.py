@@ -98,6 +98,9 @@ class _Cursor:
     row: int = 0
     train_seconds: float = 0.0
     tokens: int = 0
+    best_score: float | None = None  # early stopping: the best held-out score so far, where, and since when
+    best_step: int = 0
+    evals_since_best: int = 0
 
 
 def run_sft(
@@ -106,6 +109,7 @@ def run_sft(
     resume: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     parallel: DataParallel | None = None,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
 ) -> SFTResult:
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -156,8 +160,10 @@ def run_sft(
             f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, {rows_per_epoch} "
             f"rows/epoch, {total_steps} steps, {runtime.precision} on {runtime.device}"
         )
+    if evaluate is not None and parallel is not None:
+        raise ValueError("run_sft: an evaluate callback runs in one process; not with data parallelism")
     train_loss = _train_loop(recipe, model, tokenizer, data, optimizer, scheduler, runtime, cursor, total_steps,
-                             tracker, on_step, output_dir, parallel)
+                             tracker, on_step, output_dir, parallel, evaluate)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
                                  recipe.train.batch_size) if data.has_heldout else None
     if heldout_loss is not None:
@@ -182,7 +188,7 @@ def run_sft(
 
 def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, scheduler, runtime: Runtime,
                 cursor: _Cursor, total_steps: int, tracker: Tracker, on_step, output_dir: Path,
-                parallel: DataParallel | None = None) -> float:
+                parallel: DataParallel | None = None, evaluate=None) -> float:
     config = recipe.train
     micro = config.micro_batch_size or config.batch_size
     rows = data.epoch_rows(cursor.epoch)
@@ -244,13 +250,34 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"loss {metrics['train/loss']:.4f} {metrics['train/tokens_per_s']:,.0f} tok/s")
             window_loss, window_tokens, window_trained, window_start = 0.0, 0, 0, time.perf_counter()
-        if config.eval_every and cursor.step % config.eval_every == 0 and data.has_heldout:
-            loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime, config.batch_size)
-            tracker.log({"eval/heldout_loss": loss}, step=cursor.step)
-            model.train()
+        if config.eval_every and cursor.step % config.eval_every == 0 and (data.has_heldout or evaluate):
+            if _evaluate_and_check(model, tokenizer, data, runtime, config, cursor, tracker, evaluate):
+                say(f"[sft] held-out score has not improved for {config.early_stopping_patience} evaluations: "
+                    f"stopping at step {cursor.step} (best {cursor.best_score:.4f} at step {cursor.best_step})")
+                break
         if config.save_every and cursor.step % config.save_every == 0 and cursor.step < total_steps:
             _save(recipe, output_dir, model, tokenizer, optimizer, scheduler, cursor, parallel)
     return last_loss
+
+
+def _evaluate_and_check(model, tokenizer, data, runtime, config, cursor: _Cursor, tracker, evaluate) -> bool:
+    """Log the held-out figures; True when early stopping says stop. The best score is in the cursor, so a
+    resumed run stops where the uninterrupted one would."""
+    metrics: dict[str, float] = {}
+    if data.has_heldout:
+        metrics["eval/heldout_loss"] = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
+                                                     config.batch_size)
+    if evaluate is not None:
+        metrics.update({f"eval/{k}": v for k, v in evaluate(model).items()})
+    model.train()
+    tracker.log(metrics, step=cursor.step)
+    score = metrics.get("eval/score", -metrics.get("eval/heldout_loss", 0.0))
+    if cursor.best_score is None or score > cursor.best_score:
+        cursor.best_score, cursor.best_step, cursor.evals_since_best = score, cursor.step, 0
+    else:
+        cursor.evals_since_best += 1
+    patience = config.early_stopping_patience
+    return patience is not None and cursor.evals_since_best >= patience
 
 
 @torch.no_grad()

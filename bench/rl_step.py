@@ -1,0 +1,174 @@
+"""Full RL steps (generation + verification + update): posttrain's `run_rl` against TRL's GRPOTrainer.
+
+    python bench/rl_step.py [--presets tiny-3m] [--prompts 8] [--group 8] [--max-new 32] [--steps 12] [--repeats 3]
+
+Same model (the built-in tiny Llama, same initial weights), same prompts (2-digit additions), same reward (the
+arithmetic domain's exact-answer verifier), same sampling (temperature 1, the same max completion length, 8
+completions per prompt), bf16 (autocast for posttrain, `bf16=True` for TRL), no KL term, one optimizer step
+per batch, gradient checkpointing off. posttrain runs its default pipeline (rollouts one step ahead of
+training, `max_staleness: 1`) and, for reference, the synchronous loop (`max_staleness: 0`). Figures are
+steady-state medians over the steps after `--warmup`; runs alternate (ours, TRL, ours, ...).
+
+samples/s = completions per step / seconds per step; tokens/s counts completion tokens.
+Ends by printing one JSON line: {"bench": "rl_step", "results": {...}, "ratio": ours / TRL (samples/s)}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
+
+
+class _StepClock(TrainerCallback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def run_ours(base: Path, args, staleness: int, threads: int) -> dict:
+    from posttrain.config.rl import RLRecipe
+    from posttrain.rl import run_rl
+
+    with tempfile.TemporaryDirectory() as out:
+        recipe = RLRecipe.model_validate({
+            "output_dir": out,
+            "model": {"path": str(base)},
+            "domains": [{"name": "arithmetic", "args": {"operators": "+"}, "levels": [2], "heldout": 0}],
+            "rollout": {"prompts_per_step": args.prompts,
+                        "sampling": {"group_size": args.group, "max_new_tokens": args.max_new}},
+            "optim": {"lr": 1e-4, "schedule": "constant"},
+            "train": {"max_steps": args.steps + args.warmup, "micro_batch_size": args.prompts * args.group},
+            "pipeline": {"max_staleness": staleness, "self_test": False},
+            "runtime": {"precision": "bf16", "num_threads": threads},
+            "tracking": {"tensorboard": False, "progress": False},
+        })
+        result = run_rl(recipe)
+    steady = result.history[args.warmup:]
+    seconds = statistics.median(m["time/step_s"] for m in steady)
+    tokens = statistics.mean(m["rollout/policy_tokens"] for m in steady) * args.prompts * args.group
+    return {"samples_per_s": args.prompts * args.group / seconds, "tokens_per_s": tokens / seconds,
+            "step_s": seconds}
+
+
+def run_trl(base: Path, args, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.tasks import get_domain, sample_tasks
+    from posttrain.verify import verify_exact
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    domain = get_domain("arithmetic", operators="+")
+    count = args.prompts * (args.steps + args.warmup)
+    tasks = sample_tasks(domain, count, level=2, seed=1)
+    dataset = Dataset.from_list([{"prompt": t.messages, "answer": t.verifier_args["answer"]} for t in tasks])
+
+    def exact_reward(completions, answer, **kwargs):
+        return [verify_exact(c[0]["content"] if isinstance(c, list) else c, a).score for c, a in zip(completions, answer)]
+
+    lengths: list[int] = []
+
+    def counting_reward(completion_ids=None, **kwargs):  # zero weight: counts completion tokens only
+        lengths.extend(len(ids) for ids in completion_ids or [])
+        return [0.0] * len(completion_ids or [])
+
+    clock = _StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, max_steps=args.steps + args.warmup, per_device_train_batch_size=args.prompts * args.group,
+            num_generations=args.group, max_completion_length=args.max_new, temperature=1.0, beta=0.0,
+            learning_rate=1e-4, lr_scheduler_type="constant", bf16=True, use_cpu=True,
+            gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+            reward_weights=[1.0, 0.0], disable_tqdm=True,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[exact_reward, counting_reward], args=config,
+                              train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+        trainer.train()
+    seconds = statistics.median(clock.times[args.warmup:])
+    per_step = args.prompts * args.group
+    tokens = statistics.mean(lengths[args.warmup * per_step:]) * per_step if lengths else float("nan")
+    return {"samples_per_s": per_step / seconds, "tokens_per_s": tokens / seconds, "step_s": seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny-3m"])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from posttrain.models import build_tiny_model, save_model_dir, train_tokenizer
+    from posttrain.tasks import get_domain, sample_tasks
+
+    threads = args.threads or torch.get_num_threads()
+    try:
+        import trl  # noqa: F401
+
+        have_trl = True
+    except ImportError:
+        have_trl = False
+        print("TRL is not installed (pip install -e '.[bench]'): measuring posttrain only", file=sys.stderr)
+    domain = get_domain("arithmetic", operators="+")
+    corpus = []
+    for task in sample_tasks(domain, 2000, level=[1, 2, 3], seed=0):
+        sample = domain.demonstration(task)
+        corpus += [m["content"] for m in sample.messages] + [sample.metadata.reasoning_trace]
+    tokenizer = train_tokenizer(corpus, vocab_size=512)
+    results: dict = {"threads": threads, "completions_per_step": args.prompts * args.group}
+    ratios = []
+    with tempfile.TemporaryDirectory() as work:
+        for preset in args.presets:
+            base = Path(work) / preset
+            save_model_dir(base, build_tiny_model(preset, tokenizer, seed=0), tokenizer)
+            runs: dict[str, list[dict]] = {"ours": [], "ours_sync": [], "trl": []}
+            for _ in range(args.repeats):
+                runs["ours"].append(run_ours(base, args, 1, threads))
+                if have_trl:
+                    runs["trl"].append(run_trl(base, args, threads))
+                runs["ours_sync"].append(run_ours(base, args, 0, threads))
+            entry = {
+                key: {field: round(statistics.median(r[field] for r in value), 3)
+                      for field in ("samples_per_s", "tokens_per_s", "step_s")}
+                for key, value in runs.items() if value
+            }
+            if have_trl:
+                entry["ratio"] = round(entry["ours"]["samples_per_s"] / entry["trl"]["samples_per_s"], 3)
+                ratios.append(entry["ratio"])
+            results[preset] = entry
+            print(f"{preset}: {entry}", file=sys.stderr)
+    line = {"bench": "rl_step", "results": results}
+    if ratios:
+        line["ratio"] = min(ratios)
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
