@@ -83,7 +83,7 @@ def run_ours(base: Path, data: Path, steps: int, rows_per_step: int, threads: in
             "tracking": {"tensorboard": False, "progress": False},
         })
         started = time.perf_counter()
-        result = run_sft(recipe)
+        run_sft(recipe)
         wall = time.perf_counter() - started
         records = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "train/tokens_per_s" in r]
     per_step = [r["train/tokens_per_s"] for r in records if r["step"] > warmup]
