@@ -14,7 +14,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from posttrain.models import segments_from_positions, varlen_attention_forward, varlen_mask
+from posttrain.models import varlen_attention_forward, varlen_mask
 from posttrain.data import (
     SampleMetadata,
     SFTSample,
