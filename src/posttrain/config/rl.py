@@ -49,8 +49,13 @@ class RolloutConfig(Section):
 
 
 class PolicyLossConfig(Section):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "batch_norm"] = "grpo"
+    # group-relative estimators (one advantage per sequence), or "gae": PPO with a learned critic (the `critic:`
+    # section), token-level GAE over the policy tokens (posttrain.rl.advantages)
+    advantage: Literal["grpo", "dr_grpo", "rloo", "batch_norm", "gae"] = "grpo"
     scale_advantages: bool = True  # divide by the std (grpo, batch_norm)
+    gamma: float = Field(1.0, ge=0, le=1)  # gae: discount per policy token
+    lam: float = Field(0.95, ge=0, le=1)  # gae: GAE's lambda (1 = Monte Carlo returns, 0 = one-step TD)
+    whiten_advantages: bool = True  # gae: (A - mean) / std over the batch's policy tokens
     normalize_per_domain: bool = False
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)  # > clip_low: DAPO's clip-higher
@@ -81,6 +86,25 @@ class ReturnConfig(Section):
     overlong: Literal["none", "mask", "penalty"] = "none"
     overlong_buffer: int = Field(16, ge=0)  # soft penalty ramps over the last N tokens before the limit
     overlong_penalty: float = Field(1.0, ge=0)
+
+
+class RewardModelConfig(Section):
+    """A learned reward component: a reward model saved by `posttrain rm` scores every trained trajectory's token
+    ids (prompt + completion, exactly as sampled); `weight` x its score is added to the verifier's outcome."""
+
+    path: str  # the `posttrain rm` run directory or its final/
+    weight: float = 1.0
+    normalize: bool = True  # (r - mean) / std with the statistics saved beside the head
+    batch_size: int = Field(32, gt=0)  # sequences per scoring forward
+
+
+class CriticConfig(Section):
+    """The value model of `algorithm.advantage: gae`: a causal LM trunk with a scalar value head on every token."""
+
+    path: str | None = None  # unset: a copy of the policy (value head at 0); or a `posttrain rm` reward model
+    value_coef: float = Field(1.0, gt=0)  # weight of the value loss (the critic has its own optimizer)
+    value_clip: float | None = Field(0.2, gt=0)  # |V - V_old| clipped to this in the value loss; null = off
+    optim: OptimConfig = OptimConfig(lr=1e-4, schedule="constant", max_grad_norm=1.0)
 
 
 class PipelineConfig(Section):
@@ -265,6 +289,8 @@ class RLRecipe(Section):
     rollout: RolloutConfig = RolloutConfig()
     algorithm: PolicyLossConfig = PolicyLossConfig()
     returns: ReturnConfig = ReturnConfig()
+    reward_model: RewardModelConfig | None = None  # a learned reward component beside the verifiers
+    critic: CriticConfig = CriticConfig()  # used by algorithm.advantage: gae
     pipeline: PipelineConfig = PipelineConfig()
     optim: OptimConfig = OptimConfig(lr=1e-4, schedule="constant", max_grad_norm=1.0)
     train: RLTrainConfig = RLTrainConfig()
@@ -292,6 +318,9 @@ class RLRecipe(Section):
                 raise ValueError(f"schedule.curriculum.start: unknown domain '{name}'")
             if level not in levels[name]:
                 raise ValueError(f"schedule.curriculum.start.{name}: level {level} is not in {levels[name]}")
+        if "critic" in self.model_fields_set and self.algorithm.advantage != "gae":
+            raise ValueError(f"critic: the critic is used only with algorithm.advantage: gae "
+                             f"(it is '{self.algorithm.advantage}'): set it, or drop the critic section")
         clash = {suite.name for suite in self.schedule.guard.suites} & set(names)
         if clash:
             raise ValueError(f"schedule.guard.suites: names {sorted(clash)} are domain names (held-out suites)")

@@ -18,7 +18,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -39,9 +39,11 @@ def save_model_dir(directory: Path, model, tokenizer, *, merge_lora: bool = True
 
 
 def save_checkpoint(
-    output_dir: Path, step: int, model, tokenizer, state: dict[str, Any], *, keep: int = 2
+    output_dir: Path, step: int, model, tokenizer, state: dict[str, Any], *, keep: int = 2,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` (model + `state`), point `latest` at it, prune all but the newest `keep`."""
+    """Write checkpoint `step` (model + `state`), point `latest` at it, prune all but the newest `keep`.
+    `extra(directory)` writes more that belongs to the checkpoint (an RL critic) before it is renamed into place."""
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -50,6 +52,8 @@ def save_checkpoint(
     _write_model(tmp, model, tokenizer, merge_lora=True)
     if is_lora(model):
         model.save_pretrained(tmp / "adapter")
+    if extra is not None:
+        extra(tmp)
     state = {**state, "step": step, "rng": capture_rng()}
     with open(tmp / STATE_FILE, "wb") as handle:
         torch.save(state, handle)

@@ -5,8 +5,10 @@ and the recipe that runs them (`posttrain rl`; docs/rl.md).
     result = run_rl(load_recipe("rl.yaml", schema=RLRecipe))
 """
 
-from posttrain.rl.advantages import compute_advantages, normalize_per_domain
+from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain
 from posttrain.rl.backend import LocalPolicy, RLBackend, engine_state, local_backend
+from posttrain.rl.critic import Critic, make_critic
+from posttrain.rl.learned_reward import LearnedReward
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
 from posttrain.rl.records import episode_record
 from posttrain.rl.returns import episode_return
@@ -15,6 +17,8 @@ from posttrain.rl.step import rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
 
 __all__ = [
+    "Critic",
+    "LearnedReward",
     "LocalPolicy",
     "RLBackend",
     "RLResult",
@@ -26,7 +30,9 @@ __all__ = [
     "engine_trainer_self_test",
     "episode_record",
     "episode_return",
+    "gae_advantages",
     "local_backend",
+    "make_critic",
     "normalize_per_domain",
     "rl_update",
     "run_rl",

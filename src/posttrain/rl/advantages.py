@@ -14,6 +14,19 @@ Sequences sampled for the same prompt form a group (`group_ids`). With r the rew
 A group whose rewards are all equal gets A = 0 for every member under every estimator: it carries no
 signal (dynamic sampling in `posttrain.schedule` can drop such groups and refill the batch).
 
+`gae_advantages` is the alternative with a learned critic (PPO, `algorithm.advantage: gae`): one advantage
+per policy token. The policy tokens of an episode, in order, form one chain k = 0..K-1 — an agentic episode's
+observation tokens are not steps of it: they are part of the transition from the last token of one turn to the
+first of the next, with no reward, no value target and no discount of their own. The outcome reward R (the
+episode's return) lands on the last policy token; V_k is the critic's value of the state before token k, and
+V_K = 0 (the episode ends; a truncated one too: the verifier judged what was produced):
+
+    delta_k = r_k + gamma V_{k+1} - V_k          r_k = R if k = K-1 else 0
+    A_k     = sum_l (gamma lam)^l delta_{k+l}     (Schulman et al., 2016)
+    G_k     = A_k + V_k                           the critic's regression target (the lambda-return)
+
+`whiten` then standardises the advantages over every policy token of the batch.
+
 `normalize_per_domain` rescales rewards before advantages so that domains with different reward scales
 (a 0/1 exact match beside a fractional test pass rate) contribute comparably: within each domain of the
 batch, r -> (r - mean_domain) / (std_domain + eps).
@@ -82,3 +95,31 @@ def normalize_per_domain(rewards: Sequence[float], domains: Sequence[str]) -> li
         std = values.std(unbiased=True) if len(members) > 1 else torch.tensor(0.0, dtype=r.dtype)
         out[index] = (values - values.mean()) / (std + EPS) if float(std) > 0 else torch.zeros_like(values)
     return out.tolist()
+
+
+def gae_advantages(returns: Sequence[float], values: Sequence[torch.Tensor], gamma: float, lam: float
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token advantages and value targets of each episode (see the module docstring): `values[i]` holds
+    the critic's value before each of episode i's policy tokens, in order; its return lands on the last."""
+    advantages, targets = [], []
+    for outcome, episode_values in zip(returns, values, strict=True):
+        # Plain floats: a Python loop over a few hundred tokens beats indexing tensors element by element.
+        value = episode_values.double().tolist()
+        advantage = [0.0] * len(value)
+        running, next_value, reward = 0.0, 0.0, float(outcome)
+        for k in reversed(range(len(value))):
+            running = reward + gamma * next_value - value[k] + gamma * lam * running
+            advantage[k] = running
+            next_value, reward = value[k], 0.0
+        advantages.append(torch.tensor(advantage, dtype=torch.float32))
+        targets.append(torch.tensor([a + v for a, v in zip(advantage, value)], dtype=torch.float32))
+    return advantages, targets
+
+
+def whiten(advantages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """(A - mean) / (std + eps) over every token of the batch (fewer than two tokens: unchanged)."""
+    flat = torch.cat(list(advantages)) if advantages else torch.zeros(0)
+    if flat.numel() < 2:
+        return list(advantages)
+    mean, std = flat.mean(), flat.std(unbiased=True)
+    return [(a - mean) / (std + EPS) for a in advantages]

@@ -31,9 +31,10 @@ from posttrain.types import Trajectory
 class PolicyTrainer(Protocol):
     """Where the policy's weights are trained: `LocalPolicy` here, an FSDP trainer group in `posttrain.distributed`."""
 
-    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+    def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
                ) -> dict[str, float]:
-        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``)."""
+        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``).
+        An advantage per trajectory, or one per policy token of it (PPO with a critic; see `rl.step`)."""
         ...
 
     def weights(self, copy: bool = False) -> Any:
@@ -114,7 +115,7 @@ class LocalPolicy:
                                          recipe.train.max_steps * recipe.train.updates_per_batch)
         self.base_lrs = list(self.scheduler.base_lrs)
 
-    def update(self, trajectories: list[Trajectory], advantages: list[float], replay: list | None
+    def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
                ) -> dict[str, float]:
         recipe, model = self.recipe, self.model
         metrics: dict[str, float] = {}

@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from posttrain.config.rl import RLRecipe
+from posttrain.rl.learned_reward import LEARNED_REWARD_KEY
 from posttrain.rl.pipeline import RolloutBatch
 from posttrain.schedule import DROPPED_KEY, is_dropped
 from posttrain.types import FailureClass, Trajectory
@@ -71,8 +72,9 @@ def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def episode_record(trajectory: Trajectory, step: int) -> dict[str, Any]:
-    """What the data flywheel keeps of an episode: the transcript, the verdict, and where it came from."""
-    return {
+    """What the data flywheel keeps of an episode: the transcript, the verdict, and where it came from (and, when
+    the recipe has a learned reward component and the episode was trained on, the reward model's score)."""
+    record = {
         "step": step,
         "task_id": trajectory.task_id,
         "domain": trajectory.domain,
@@ -86,6 +88,9 @@ def episode_record(trajectory: Trajectory, step: int) -> dict[str, Any]:
         "policy_version": trajectory.min_policy_version,
         "dropped": trajectory.metadata.get(DROPPED_KEY),  # why the group did not reach the trainer, if it did not
     }
+    if LEARNED_REWARD_KEY in trajectory.metadata:
+        record[LEARNED_REWARD_KEY] = trajectory.metadata[LEARNED_REWARD_KEY]
+    return record
 
 
 def describe_event(event: dict[str, Any]) -> str:

@@ -4,6 +4,8 @@
            - step_cost  * (steps - 1)                  (agentic episodes: fewer steps is better)
            - token_cost * policy tokens                (shorter is better)
            + process_weight * process reward           (the environment's per-step judgement, if any)
+           + learned                                   (the recipe's `reward_model:` weight x its score,
+                                                        when one is configured: `rl.learned_reward`)
            + overlong penalty                          (DAPO's soft penalty: 0 up to L - B tokens, then
                                                         linear down to -penalty at the limit L)
 
@@ -17,8 +19,11 @@ from posttrain.config.rl import ReturnConfig
 from posttrain.types import Trajectory
 
 
-def episode_return(trajectory: Trajectory, config: ReturnConfig, max_new_tokens: int) -> tuple[float, dict[str, float]]:
+def episode_return(trajectory: Trajectory, config: ReturnConfig, max_new_tokens: int,
+                   learned: float | None = None) -> tuple[float, dict[str, float]]:
     components = {"outcome": float(trajectory.reward.score)}
+    if learned is not None:
+        components["learned"] = learned
     if config.step_cost:
         components["step_cost"] = -config.step_cost * max(0, trajectory.steps - 1)
     if config.token_cost:

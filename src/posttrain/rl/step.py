@@ -5,6 +5,9 @@ position t is scored when token t+1 is a policy token (`loss_mask[t+1] == 1`); o
 agentic episodes are context only. The same forward that computes the loss also measures, for free, the
 gap between the engine's behaviour log-probs and the trainer's log-probs of the same tokens.
 
+An advantage is one number per trajectory (group-relative estimators: repeated on each of its policy tokens) or
+a sequence with one number per policy token, in order (PPO with a critic: `rl.advantages.gae_advantages`).
+
 A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-batches); sequences of one
 mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
 to the mini-batch's.
@@ -67,10 +70,9 @@ class _MicroBatch:
 
 def collate_trajectories(
     trajectories: Sequence[Trajectory],
-    advantages: Sequence[float],
+    advantages: Sequence[float | Sequence[float]],
     pad_id: int,
     device: torch.device,
-
 ) -> _MicroBatch:
     width = max(len(t.token_ids) for t in trajectories)
     batch = len(trajectories)
@@ -88,7 +90,7 @@ def collate_trajectories(
         behaviour.append(torch.tensor(trajectory.behaviour_logprobs[1:], dtype=torch.float32)[mask])
         targets.append(ids[1:][mask])
         count = int(mask.sum())
-        adv.append(torch.full((count,), float(advantage)))
+        adv.append(_token_advantages(advantage, count, trajectory.task_id))
         seq.append(torch.full((count,), row, dtype=torch.long))
     return _MicroBatch(
         input_ids=input_ids.to(device),
@@ -101,12 +103,33 @@ def collate_trajectories(
     )
 
 
+def _token_advantages(advantage: float | Sequence[float], count: int, task_id: str) -> torch.Tensor:
+    if isinstance(advantage, (int, float)):
+        return torch.full((count,), float(advantage))
+    per_token = torch.as_tensor(advantage, dtype=torch.float32).flatten()
+    if per_token.numel() != count:
+        raise ValueError(f"trajectory of {task_id}: {per_token.numel()} advantages for {count} policy tokens")
+    return per_token
+
+
+def longest_first(trajectories: Sequence[Trajectory]) -> list[int]:
+    """Micro-batches of similar lengths waste less padding. The order is a pure function of the batch, so a
+    synchronous and an asynchronous run of the same batch compute the same sums."""
+    return sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i].token_ids))
+
+
+def mini_batches(trajectories: Sequence[Trajectory], updates_per_batch: int) -> list[list[int]]:
+    """Indices of each optimizer step's trajectories: longest first, dealt round-robin."""
+    order = longest_first(trajectories)
+    return [order[k::updates_per_batch] for k in range(updates_per_batch)]
+
+
 def rl_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
     trajectories: Sequence[Trajectory],
-    advantages: Sequence[float],
+    advantages: Sequence[float | Sequence[float]],
     *,
     config: PolicyLossConfig,
     runtime: Runtime,
@@ -124,10 +147,8 @@ def rl_update(
     if not trajectories:
         return {}
     model.train()
-    # Longest first: micro-batches of similar lengths waste less padding. The order is a pure function of
-    # the batch, so a synchronous and an asynchronous run of the same batch compute the same sums.
-    order = sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i].token_ids))
-    minis = [order[k::updates_per_batch] for k in range(updates_per_batch)]
+    order = longest_first(trajectories)
+    minis = mini_batches(trajectories, updates_per_batch)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     proximal = None

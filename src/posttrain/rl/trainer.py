@@ -18,6 +18,10 @@ Where the policy trains and where rollouts run is an `RLBackend` (`rl.backend`):
 (this process: the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes
 its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same. What is recorded of
 each batch (metrics, episode records, events) is in `rl.records`.
+
+RLHF pieces, by recipe: a learned reward component (`reward_model:`, `rl.learned_reward`) adds a reward model's
+weighted score to every trained trajectory's return; `algorithm.advantage: gae` trains a critic (`rl.critic`)
+beside the policy and feeds the policy per-token GAE advantages instead of group-relative ones.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from posttrain.models import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.rl.advantages import compute_advantages, normalize_per_domain
+from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain, whiten
 from posttrain.rl.guarding import (
     RunGuard,
     SuiteEvaluator,
@@ -57,6 +61,8 @@ from posttrain.rl.backend import (
     local_backend,
     make_engine,
 )
+from posttrain.rl.critic import Critic, make_critic
+from posttrain.rl.learned_reward import LearnedReward
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
 from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe_event, episode_record, select_trainable
 from posttrain.rl.returns import episode_return
@@ -108,6 +114,8 @@ class _Run:
     guard: RunGuard
     runtime: Runtime
     pipeline: RolloutPipeline | None = None
+    learned_reward: LearnedReward | None = None  # the recipe's `reward_model:` section
+    critic: Critic | None = None  # algorithm.advantage: gae
 
     @property
     def policy(self) -> PolicyTrainer:
@@ -150,9 +158,12 @@ def run_rl_on(
     # Policy, engine(s) with their own copy of the weights, reference (only when the KL term is on).
     tokenizer = load_tokenizer(recipe.model)
     model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
+    # The critic copies the starting policy before a backend takes the model (and perhaps shards it).
+    critic = make_critic(recipe, model, tokenizer, runtime) if recipe.algorithm.advantage == "gae" else None
+    learned = LearnedReward(recipe.reward_model, tokenizer, runtime.device) if recipe.reward_model else None
     backend = make_backend(recipe, runtime, tokenizer, model)
     try:
-        return _train(recipe, backend, runtime, tokenizer, output_dir, resume, sampler, on_step)
+        return _train(recipe, backend, runtime, tokenizer, output_dir, resume, sampler, on_step, learned, critic)
     finally:
         backend.policy.close()
         if backend.close is not None:
@@ -160,10 +171,12 @@ def run_rl_on(
 
 
 def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, resume: bool,
-           sampler: TaskSampler | None, on_step) -> RLResult:
+           sampler: TaskSampler | None, on_step, learned_reward: LearnedReward | None = None,
+           critic: Critic | None = None) -> RLResult:
     sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
     suites = regression_suites(recipe)
-    run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime)
+    run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime,
+               learned_reward=learned_reward, critic=critic)
     policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
@@ -202,7 +215,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             started = time.perf_counter()
             batch = run.pipeline.next_batch()
             replay = run.guard.replay_batch(cursor.step)
-            metrics = _train_on(batch, cursor.step, policy, recipe, replay)
+            metrics = _train_on(run, batch, cursor.step, replay)
             cursor.step += 1
             # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
             run.pipeline.publish_weights(cursor.step, policy.weights(copy=recipe.pipeline.max_staleness > 0))
@@ -232,6 +245,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
                 break
         _save(run, cursor)
         final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer, merge_lora=True)
+        if run.critic is not None:
+            run.critic.save(output_dir / "critic")
         final = evaluator(cursor.step) if suites else {}
         if final:
             tracker.log(suite_metrics(recipe, final), step=cursor.step)
@@ -295,6 +310,8 @@ def _roll_back(run: _Run, cursor: _Cursor, events_log) -> _Cursor:
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
     state = load_training_state(checkpoint)
     run.policy.load_checkpoint(checkpoint, state)
+    if run.critic is not None:
+        run.critic.load_checkpoint(checkpoint, state)
     run.sampler.load_state_dict(state["sampler"])
     if "guard" in state:
         run.guard.load_state_dict(state["guard"], keep_history=keep_history)
@@ -341,31 +358,50 @@ def _summary(result: RLResult) -> dict[str, Any]:
 # ---- the batch -> update step --------------------------------------------------------------------------
 
 
-def _train_on(batch: RolloutBatch, step: int, policy: PolicyTrainer, recipe: RLRecipe,
-              replay: list | None = None) -> dict[str, float]:
+def _train_on(run: _Run, batch: RolloutBatch, step: int, replay: list | None = None) -> dict[str, float]:
+    recipe, policy = run.recipe, run.policy
     usable, counts = select_trainable(batch.trajectories, step, recipe)
+    learned_metrics = run.learned_reward.annotate(usable) if run.learned_reward is not None else {}
     returns, components = [], defaultdict(list)
     for trajectory in usable:
-        total, parts = episode_return(trajectory, recipe.returns, recipe.rollout.sampling.max_new_tokens)
+        learned = run.learned_reward.weighted(trajectory) if run.learned_reward is not None else None
+        total, parts = episode_return(trajectory, recipe.returns, recipe.rollout.sampling.max_new_tokens, learned)
         returns.append(total)
         for name, value in parts.items():
             components[name].append(value)
     if recipe.algorithm.normalize_per_domain:
         returns = normalize_per_domain(returns, [t.domain for t in usable])
-    advantages = compute_advantages(returns, [t.group_id for t in usable], recipe.algorithm.advantage,
-                                    scale=recipe.algorithm.scale_advantages).tolist()
-    trained = [(t, a) for t, a in zip(usable, advantages)
-               if not (recipe.returns.overlong == "mask" and t.truncated)]
-    counts["overlong_masked"] = len(usable) - len(trained)
+    kept = [not (recipe.returns.overlong == "mask" and t.truncated) for t in usable]
+    counts["overlong_masked"] = kept.count(False)
     started = time.perf_counter()
-    metrics = policy.update([t for t, _ in trained], [a for _, a in trained], replay)
+    if run.critic is None:
+        advantages = compute_advantages(returns, [t.group_id for t in usable], recipe.algorithm.advantage,
+                                        scale=recipe.algorithm.scale_advantages).tolist()
+        trained = [(t, a) for t, a, keep in zip(usable, advantages, kept) if keep]
+        metrics = policy.update([t for t, _ in trained], [a for _, a in trained], replay)
+    else:
+        trained_returns = [(t, r) for t, r, keep in zip(usable, returns, kept) if keep]
+        metrics = _ppo_update(run, [t for t, _ in trained_returns], [r for _, r in trained_returns], replay)
     metrics["time/train_s"] = time.perf_counter() - started
+    metrics.update(learned_metrics)
     metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
     metrics.update(batch_metrics(batch.trajectories))
     metrics.update({f"return/{k}": sum(v) / len(v) for k, v in components.items() if v})
     metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
     metrics["policy/version"] = float(step)
     metrics["policy/staleness"] = float(step - batch.policy_version)
+    return metrics
+
+
+def _ppo_update(run: _Run, trajectories: list, returns: list[float], replay: list | None) -> dict[str, float]:
+    """PPO with the critic: values before any update -> per-token GAE -> the policy's and the critic's updates."""
+    algorithm = run.recipe.algorithm
+    values = run.critic.values(trajectories)
+    advantages, targets = gae_advantages(returns, values, algorithm.gamma, algorithm.lam)
+    if algorithm.whiten_advantages:
+        advantages = whiten(advantages)
+    metrics = run.policy.update(trajectories, [a.tolist() for a in advantages], replay)
+    metrics.update(run.critic.update(trajectories, values, targets))
     return metrics
 
 
@@ -386,10 +422,15 @@ def sampler_preview(recipe: RLRecipe) -> list[Task]:
 def _save(run: _Run, cursor: _Cursor) -> None:
     # Taken between two batches, so the sampler's state and the pending batches agree.
     pending, sampler_state = run.pipeline.checkpoint_state(lambda: copy.deepcopy(run.sampler.state_dict()))
-    save_checkpoint(run.output_dir, cursor.step, run.policy.full_model(), run.tokenizer, {
+    state = {
         **run.policy.state_dict(), "cursor": vars(cursor).copy(), "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
         "guard": copy.deepcopy(run.guard.state_dict()),
-    }, keep=run.recipe.train.keep_checkpoints)
+    }
+    extra = None
+    if run.critic is not None:
+        state["critic"], extra = run.critic.state_dict(), run.critic.save_into_checkpoint
+    save_checkpoint(run.output_dir, cursor.step, run.policy.full_model(), run.tokenizer, state,
+                    keep=run.recipe.train.keep_checkpoints, extra=extra)
 
 
 def _log_episodes(handle, batch: RolloutBatch) -> None:

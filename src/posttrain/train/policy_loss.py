@@ -24,6 +24,10 @@ Truncated importance sampling (Yao et al., 2025): when `old_logprobs` are the tr
 log-probs, samples drawn by another numeric path (the inference engine) or an older policy are reweighted
 by w_t = min(exp(proximal_t - behaviour_t), cap), detached.
 
+The critic of PPO with GAE (`rl.critic`) regresses its values V on the targets G with PPO's clipped value loss:
+V_clip = V_old + clip(V - V_old, -c, c), l_t = 1/2 max((V - G)^2, (V_clip - G)^2), so one update cannot move a
+value further than c from the one the advantages were computed with (unless that brings it closer to G).
+
 KL to a reference policy (optional) uses Schulman's estimators of KL(pi || ref) from samples of pi:
 k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0).
 """
@@ -153,6 +157,20 @@ def per_token_policy_loss(
             "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
         }
     return per_token, stats
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor,
+                       clip: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss per token (before aggregation; see the module docstring) and its statistics."""
+    unclipped = (values - targets).pow(2)
+    if clip is None:
+        per_token, is_clipped = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (clipped_values - targets).pow(2)
+        per_token = torch.maximum(unclipped, clipped)
+        is_clipped = clipped.detach() > unclipped.detach()
+    return 0.5 * per_token, {"value_clip_fraction": _mean(is_clipped.float())}
 
 
 def truncated_importance_weights(

@@ -18,7 +18,8 @@ Saved format (the run's `final/` directory; docs/dpo.md):
 
 `load_reward_model(path)` returns a `RewardModel`: call it with a conversation (list of messages), a list of
 token ids, or a batch of either, and get float scores back (normalised by the saved mean/std on request).
-It is ready to be wrapped as a learned reward component of the RL stage beside the verifiers.
+The RL stage wraps it as a learned reward component beside the verifiers (`rl.learned_reward`), and PPO's critic
+(`rl.critic`) is the same model read at every token (`ScalarRewardModel.token_values`), saved in the same format.
 """
 
 from __future__ import annotations
@@ -79,13 +80,23 @@ class ScalarRewardModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
         """[rows] fp32 rewards; rows are right-padded and `last_index[r]` is row r's last real token."""
+        hidden = self._hidden(input_ids)
+        return self._score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index])
+
+    def token_values(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N] fp32 scores of the hidden states at `positions` ([rows, T-1] bool, row-major), the way a critic
+        reads them: position t is the state before token t+1 (as `train.forward.selected_logits` selects)."""
+        return self._score(self._hidden(input_ids)[:, :-1][positions])
+
+    def _hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         with attention_kernel(self.causal_lm, input_ids):
-            hidden = self._decoder[0](input_ids=input_ids, use_cache=False).last_hidden_state
-        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]
+            return self._decoder[0](input_ids=input_ids, use_cache=False).last_hidden_state
+
+    def _score(self, hidden: torch.Tensor) -> torch.Tensor:
         # The head in fp32: a reward is one number per sequence, so its precision is cheap and bf16's 8 bits
         # of mantissa would blur close pairs.
         with torch.autocast(hidden.device.type, enabled=False):
-            return self.head(last.float()).squeeze(-1)
+            return self.head(hidden.float()).squeeze(-1)
 
 
 @dataclass
