@@ -276,15 +276,26 @@ def test_bf16_autocast_logprobs_stay_close(model, tokenizer):
     assert autocast_gap < gap
 
 
-def test_engine_threads_apply_to_the_generating_thread_only(model, tokenizer):
+def test_engine_threads_apply_while_generating_only(model, tokenizer):
     from concurrent.futures import ThreadPoolExecutor
 
     engine = HFEngine(model, tokenizer, num_threads=1)
+    seen, run_chunk = [], engine._run_chunk
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return run_chunk(*args, **kwargs)
+
+    engine._run_chunk = recording
     before = torch.get_num_threads()
     with ThreadPoolExecutor(1) as worker:
+        worker.submit(torch.set_num_threads, 2).result()
         worker.submit(engine.generate, requests(tokenizer), SamplingParams(max_new_tokens=2)).result()
-        assert worker.submit(torch.get_num_threads).result() == 1
+        assert seen and set(seen) == {1}  # sampling ran on the engine's share of the cores
+        assert worker.submit(torch.get_num_threads).result() == 2  # and gave the caller its own back
     assert torch.get_num_threads() == before
+    engine.generate(requests(tokenizer), SamplingParams(max_new_tokens=2))  # an inline caller (the trainer's thread)
+    assert seen[-1] == 1 and torch.get_num_threads() == before
 
 
 def test_bad_requests_raise_clear_errors(model, tokenizer):

@@ -75,10 +75,11 @@ BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
 
 def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
     """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
+    threads_before = torch.get_num_threads()
     engine_threads = split_cpu_threads(recipe, runtime)
     engine = make_engine(model, tokenizer, runtime, recipe, num_threads=engine_threads)
     return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
-                     thread_setup=thread_budget(engine_threads))
+                     thread_setup=thread_budget(engine_threads), close=lambda: torch.set_num_threads(threads_before))
 
 
 def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
@@ -87,9 +88,12 @@ def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
     Two sides each running torch on all cores oversubscribe them: OpenMP threads spin against each other and
     both slow down many times over (measured here: ~50x for sampling). Unless the recipe sets them, the engine
     gets half the cores (rounded down, at least one) and the trainer the rest. Returns the engine's threads.
+
+    The split follows the recipe (`max_staleness > 0`), not whether a producer thread actually runs: the
+    number of threads changes the order of float reductions, and an inline run (`pipeline.overlap: false`)
+    must compute bit for bit what the overlapped run computes.
     """
-    overlapping = recipe.pipeline.overlap and recipe.pipeline.max_staleness > 0
-    if runtime.device.type != "cpu" or not overlapping:
+    if runtime.device.type != "cpu" or recipe.pipeline.max_staleness == 0:
         return recipe.rollout.engine_threads
     cores = recipe.runtime.num_threads or torch.get_num_threads()
     engine_threads = recipe.rollout.engine_threads or max(1, cores // 2)

@@ -194,24 +194,28 @@ class HFEngine:
         limits = [self._room(i, r, prompt, sampling) for i, (r, prompt) in enumerate(zip(requests, prompts))]
         streams = self._streams(len(requests), sampling, request_seeds)
         started = time.perf_counter()
+        threads_before = torch.get_num_threads()
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        with self._lock, torch.inference_mode():
-            version = self._version
-            results: list[list[Completion]] = [[] for _ in requests]
-            for chunk in self._chunks(prompts, sampling.n):
-                outputs = self._run_chunk(
-                    [prompts[i] for i in chunk],
-                    [limits[i] for i in chunk],
-                    [stream_seed(*streams[i], j) for i in chunk for j in range(sampling.n)],
-                    sampling,
-                )
-                for position, index in enumerate(chunk):
-                    for ids, logprobs, text, reason in outputs[position * sampling.n : (position + 1) * sampling.n]:
-                        results[index].append(
-                            Completion(ids, text, logprobs, reason, version, requests[index].request_id)
-                        )
-            self._runner.release()
+        try:
+            with self._lock, torch.inference_mode():
+                version = self._version
+                results: list[list[Completion]] = [[] for _ in requests]
+                for chunk in self._chunks(prompts, sampling.n):
+                    outputs = self._run_chunk(
+                        [prompts[i] for i in chunk],
+                        [limits[i] for i in chunk],
+                        [stream_seed(*streams[i], j) for i in chunk for j in range(sampling.n)],
+                        sampling,
+                    )
+                    for position, index in enumerate(chunk):
+                        for ids, logprobs, text, reason in outputs[position * sampling.n : (position + 1) * sampling.n]:
+                            results[index].append(
+                                Completion(ids, text, logprobs, reason, version, requests[index].request_id)
+                            )
+                self._runner.release()
+        finally:
+            torch.set_num_threads(threads_before)  # a caller training on this thread keeps its own share
         self.stats.generate_calls += 1
         self.stats.generate_s += time.perf_counter() - started
         return results
