@@ -183,6 +183,18 @@ def test_level_moves_down_below_the_lower_band_only_after_min_episodes():
     assert controller.observe(1, [True] * 8) == 1 and controller.level == 2
 
 
+@pytest.mark.parametrize("review", [0.0, 0.3])
+def test_review_draws_fresh_tasks_below_the_current_level(review):
+    config = schedule(curriculum={"start": {"sched_alpha": 3}, "review": review},
+                      priority={"max_visits": 1, "reprobe_prob": 0.0})
+    scheduler = Scheduler([DomainConfig(name="sched_alpha", levels=[1, 2, 3, 4])], config, seed=1)
+    levels = Counter(task.difficulty for _ in range(100) for task in scheduler.next_batch(8))
+    assert 4 not in levels  # never above the current level
+    below = (levels[1] + levels[2]) / sum(levels.values())
+    assert below == 0.0 if review == 0 else abs(below - review) < 0.06
+    assert review == 0 or abs(levels[1] - levels[2]) < 0.25 * (levels[1] + levels[2])  # uniform among them
+
+
 def test_priority_draws_match_the_weights_chi_square():
     config = schedule(dedup_window=0, priority={"pool_size": 6, "max_visits": 10**6, "reprobe_prob": 0.0,
                                                 "weighting": "variance", "floor": 0.05})

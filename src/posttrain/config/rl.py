@@ -180,6 +180,9 @@ class CurriculumConfig(Section):
     min_episodes: int = Field(32, gt=0)  # episodes at the current level since the last move before another
     window: int = Field(128, gt=0)  # the pass rate is over the last `window` episodes at the current level
     start: dict[str, int] = {}  # domain -> starting level (default: the domain's lowest level)
+    # share of fresh draws made at a level below the current one (uniformly among them): review, so that
+    # training at the top level does not forget the levels it climbed through
+    review: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _bands(self):

@@ -224,13 +224,22 @@ class Scheduler:
     def _fresh(self, name: str) -> Task:
         spec, pool, controller = self.specs[name], self.pools[name], self.levels[name]
         for _ in range(DEDUP_TRIES):
-            level = controller.level if self.config.curriculum.enabled else self.rng.choice(spec.levels)
+            level = self._fresh_level(spec, controller)
             task = draw_task(self.sources[name], level, self.rng)
             if task.id not in pool and self._eligible(task):
                 return task
             self.counters["dedup_redraws"] += 1
         self.counters["dedup_exhausted"] += 1
         return task
+
+    def _fresh_level(self, spec: DomainConfig, controller: LevelController) -> int:
+        curriculum = self.config.curriculum
+        if not curriculum.enabled:
+            return self.rng.choice(spec.levels)
+        below = [level for level in controller.levels if level < controller.level]
+        if curriculum.review > 0 and below and self.rng.random() < curriculum.review:
+            return self.rng.choice(below)
+        return controller.level
 
     def _eligible(self, task: Task) -> bool:
         window = self.config.dedup_window
