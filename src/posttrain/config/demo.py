@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from posttrain.config.common import Section
 from posttrain.config.load import recipe
@@ -26,10 +26,24 @@ class DemoDomain(Section):
     name: str
     args: dict[str, Any] = {}
     sft_levels: list[int] = [1]  # levels the SFT demonstrations cover
-    demos: int = Field(1000, ge=0)  # how many demonstrations SFT gets (scarce on purpose)
+    demos: int = Field(1000, ge=0)  # how many demonstrations SFT gets (scarce on purpose), spread over sft_levels
+    level_demos: dict[int, int] = {}  # beyond those: level -> demonstrations of that one level (a few hard ones)
     heldout_levels: list[int] = [1]  # levels of the held-out evaluation set
     heldout: int = Field(200, ge=0)
     validation: int = Field(50, ge=0)  # held-out-split items, apart from the test set, for SFT early stopping
+
+    @model_validator(mode="after")
+    def _levels_apart(self):
+        shared = sorted(set(self.level_demos) & set(self.sft_levels))
+        if shared:
+            raise ValueError(f"level_demos: levels {shared} are in sft_levels already (demos covers them)")
+        if any(count < 0 for count in self.level_demos.values()):
+            raise ValueError(f"level_demos: counts must be >= 0, got {self.level_demos}")
+        return self
+
+    @property
+    def demo_count(self) -> int:
+        return self.demos + sum(self.level_demos.values())
 
 
 class DemoPairs(Section):

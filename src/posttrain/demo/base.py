@@ -38,6 +38,8 @@ def base(run: DemoRun) -> dict[str, Any]:
     for index, spec in enumerate(recipe.domains):
         domain = get_domain(spec.name, **spec.args)
         tasks = sample_tasks(domain, spec.demos, level=spec.sft_levels, split="train", seed=recipe.seed + index)
+        for level, count in sorted(spec.level_demos.items()):
+            tasks += sample_tasks(domain, count, level=level, split="train", seed=recipe.seed + 1000 * level + index)
         demos += [domain.demonstration(task) for task in tasks]
         heldout[spec.name] = sample_tasks(domain, spec.heldout, level=spec.heldout_levels, split="heldout",
                                           seed=recipe.seed + index)
@@ -58,7 +60,7 @@ def base(run: DemoRun) -> dict[str, Any]:
         "preset": recipe.preset,
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),
-        "demonstrations": {spec.name: spec.demos for spec in recipe.domains},
+        "demonstrations": {spec.name: spec.demo_count for spec in recipe.domains},
         "heldout_items": {name: len(tasks) for name, tasks in heldout.items()},
     }
 
