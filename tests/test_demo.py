@@ -71,16 +71,20 @@ def test_level_demos_may_not_repeat_the_spread_levels(tmp_path):
         toy_recipe(tmp_path, "[]", ["domains.0.level_demos={2: 5}"])
 
 
-@pytest.mark.slow
 def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
     recipe = toy_recipe(tmp_path, "[sft, dpo, rl, sft_control, report]")
     summary = run_demo(recipe)
     stages = summary["stages"]
-    for stage in ("sft", "dpo", "rl", "sft_control"):
+    trained = ["sft", "rl", "sft_control"]
+    if stages["dpo"]["pairs"]:
+        trained.append("dpo")
+    else:  # a toy SFT model solves none of its samples: no pairs, DPO says so and RL starts from SFT
+        assert stages["dpo"]["skipped"] and not (tmp_path / "run" / "dpo" / "final").exists()
+    for stage in trained:
         assert set(stages[stage]["heldout"]) == {"arithmetic", "calculator"}, stage
         assert all(0.0 <= v <= 1.0 for v in stages[stage]["heldout"].values())
         assert (tmp_path / "run" / stage / "final" / "config.json").is_file()
-    assert stages["rl"]["steps"] == 2 and stages["rl"]["started_from"] == "dpo"
+    assert stages["rl"]["steps"] == 2 and stages["rl"]["started_from"] == ("dpo" if "dpo" in trained else "sft")
     assert stages["sft_control"]["seconds"] > 0
     assert (tmp_path / "run" / "report.html").is_file()
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary

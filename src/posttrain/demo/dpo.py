@@ -7,11 +7,13 @@ flywheel `posttrain data pairs` runs on an RL run's episodes). No human labels, 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from posttrain.data.flywheel import episodes_to_pairs, write_records
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
+from posttrain.tracking import say
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.types import SamplingParams, Task
 
@@ -23,11 +25,20 @@ def dpo(run: DemoRun) -> dict[str, Any]:
     from posttrain.rl.records import episode_record
     from posttrain.train.dpo import run_dpo
 
+    started = time.perf_counter()
     policy = run.model_after("sft")
     episodes = _sample_episodes(run, policy)
     pairs = episodes_to_pairs([episode_record(t, 0) for t in episodes], per_task=run.recipe.dpo_pairs.per_task,
                               seed=run.recipe.seed, source="demo-sft-samples")
     write_records(run.data_dir / PAIRS_FILE, pairs)
+    sampled_pass_rate = round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4)
+    if not pairs:
+        # A model that solves every sampled task, or none, has no success/failure pair to learn from; the next
+        # stage then starts from the SFT checkpoint.
+        say(f"[dpo] no pairs: no task had both a verified success and a failure among {len(episodes)} samples "
+            f"(pass rate {sampled_pass_rate:.1%}); DPO skipped")
+        return {"pairs": 0, "skipped": "no success/failure pairs", "sampled_pass_rate": sampled_pass_rate,
+                "seconds": round(time.perf_counter() - started, 1)}
 
     recipe = run.recipe.dpo.model_copy(deep=True)
     recipe.output_dir = str(run.root / "dpo")
@@ -36,8 +47,8 @@ def dpo(run: DemoRun) -> dict[str, Any]:
     recipe.runtime.seed = run.recipe.seed
     result = run_dpo(recipe, resume=run.resume)
     return evaluate_stage(
-        run, result.final_dir, seconds=result.seconds + result.reference_seconds, steps=result.steps, pairs=len(pairs),
-        sampled_pass_rate=round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4),
+        run, result.final_dir, seconds=time.perf_counter() - started, steps=result.steps, pairs=len(pairs),
+        train_seconds=round(result.seconds + result.reference_seconds, 1), sampled_pass_rate=sampled_pass_rate,
         preference_accuracy={"start": result.heldout_start.get("preference_accuracy"),
                              "end": result.heldout.get("preference_accuracy")},
     )
