@@ -44,6 +44,36 @@ def test_concurrent_callers_are_batched_and_get_their_own_results(engine):
         assert [c.token_ids for c in completions] == [c.token_ids for c in alone]  # its own seeded stream
 
 
+@pytest.mark.parametrize("inline", [False, True])
+def test_the_engine_runs_on_the_loop_thread_only_when_inline(engine, inline):
+    import functools
+    import threading
+
+    reqs = prompts(engine, 6)
+    sampling = SamplingParams(max_new_tokens=5, n=2)
+    threads, generate = [], engine.generate
+
+    @functools.wraps(generate)  # keeps the signature: the batcher looks for request_seeds
+    def recording(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return generate(*args, **kwargs)
+
+    async def episodes():
+        async with AsyncBatcher(engine, max_wait_s=0.05, inline=inline) as batcher:
+            seeded = [dataclasses.replace(sampling, seed=7 + i) for i in range(len(reqs))]
+            return await asyncio.gather(*(batcher.generate(r, s) for r, s in zip(reqs, seeded))), batcher.stats
+
+    engine.generate = recording
+    try:
+        results, stats = asyncio.run(episodes())
+    finally:
+        del engine.generate  # back to the class's method
+    assert stats.engine_calls == 1 and (threads == [threading.get_ident()]) == inline
+    for index, (request, completions) in enumerate(zip(reqs, results)):  # the same samples either way
+        alone = engine.generate([request], dataclasses.replace(sampling, seed=7 + index))[0]
+        assert [c.token_ids for c in completions] == [c.token_ids for c in alone]
+
+
 def test_incompatible_sampling_goes_in_separate_batches(engine):
     reqs = prompts(engine, 8)
     cold, hot = SamplingParams(max_new_tokens=4, temperature=0.5), SamplingParams(max_new_tokens=4, temperature=1.0)

@@ -88,20 +88,17 @@ def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
     Two sides each running torch on all cores oversubscribe them: OpenMP threads spin against each other and
     both slow down many times over (measured here: ~50x for sampling). With `max_staleness > 0`, unless the
     recipe sets them, the engine gets half the cores (rounded down, at least one) and the trainer the rest.
-    Synchronous (`max_staleness: 0`), the trainer keeps every core and the engine, which runs on the batcher's
-    worker thread, gets one core less (as in `posttrain eval`): measured on 2 cores, sampling 64 x 32 tokens of
-    tiny-3m from a worker thread took 0.19 s on 2 threads, 0.12 s on 1 (0.08 s on 2 from the main thread).
-    Returns the engine's threads.
+    Synchronous (`max_staleness: 0`), rollouts and training take turns on the trainer's thread (the producer
+    runs inline and the batcher samples on its loop's thread, `AsyncBatcher(inline=True)`): both use every core.
+    Returns the engine's threads (None: the calling thread's).
 
     The split follows the recipe (`max_staleness`), not whether a producer thread actually runs: the number
     of threads changes the order of float reductions, and an inline run (`pipeline.overlap: false`) must
     compute bit for bit what the overlapped run computes.
     """
-    if runtime.device.type != "cpu":
+    if runtime.device.type != "cpu" or recipe.pipeline.max_staleness == 0:
         return recipe.rollout.engine_threads
     cores = recipe.runtime.num_threads or torch.get_num_threads()
-    if recipe.pipeline.max_staleness == 0:
-        return recipe.rollout.engine_threads or max(1, cores - 1)
     engine_threads = recipe.rollout.engine_threads or max(1, cores // 2)
     if recipe.runtime.num_threads is None:
         torch.set_num_threads(max(1, cores - engine_threads))

@@ -101,12 +101,14 @@ def batch_seed(seed: int, index: int, round_index: int = 0, attempt: int = 0) ->
 def engine_rollout(engine: Any, tokenizer: Any, recipe: RLRecipe) -> RolloutFn:
     """Groups of `group_size` episodes per task through the engine (batched by an `AsyncBatcher`)."""
     rollout = recipe.rollout
+    rollout_inline = recipe.pipeline.max_staleness == 0
 
     async def collect(tasks: list[Task], sampling: SamplingParams) -> list[Trajectory]:
         from posttrain.envs import rollout_many
         from posttrain.rollout import AsyncBatcher
 
-        async with AsyncBatcher(engine) as batcher:
+        # Synchronous (nothing to overlap): the engine samples on this thread, the one that owns its OpenMP team.
+        async with AsyncBatcher(engine, inline=rollout_inline) as batcher:
             return await rollout_many(
                 batcher, tasks, tokenizer, sampling, n=rollout.sampling.group_size,
                 max_concurrency=rollout.max_concurrent_episodes, infra_retries=rollout.infra_retries,

@@ -269,7 +269,7 @@ def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> 
     )
     return RolloutPipeline(
         produce, run.engine.update_weights, max_staleness=recipe.pipeline.max_staleness,
-        overlap=recipe.pipeline.overlap,
+        overlap=recipe.pipeline.overlap and recipe.pipeline.max_staleness > 0,  # synchronous: nothing to overlap
         start_index=cursor.step, start_version=cursor.step, engine_version=cursor.step, pending=pending,
         thread_setup=run.backend.thread_setup,
     )

@@ -6,6 +6,12 @@ are waiting, then runs them as one ``engine.generate`` call in a worker thread, 
 serving episodes (tool calls, sandboxes) meanwhile. While the engine runs, new requests queue up and go in
 the next batch as soon as it finishes — under load, batches fill by themselves.
 
+``inline=True`` runs the engine on the event loop's own thread instead (the loop waits while it samples; a
+sandbox already running keeps running in its own process). That is for a caller with nothing to do meanwhile
+— a synchronous RL step — on a CPU, where torch's OpenMP threads are fastest on the thread that already owns
+them: measured on 2 cores, 64 x 32 tokens of tiny-3m took 0.08 s sampled on the main thread and 0.19 s from a
+worker thread (0.12 s on one thread there).
+
 Only requests with compatible sampling go in one batch: equal `SamplingParams` except the seed. A seeded
 request keeps its own random stream (the engine's ``request_seeds``), so it samples the same tokens whatever
 it was batched with. If a batch fails, its requests are retried one by one, so one bad request fails alone.
@@ -49,8 +55,10 @@ class BatcherStats:
 class AsyncBatcher:
     """Batches concurrent ``generate`` calls for one engine; see the module docstring."""
 
-    def __init__(self, engine: InferenceEngine, *, max_batch_size: int | None = None, max_wait_s: float = 0.005):
+    def __init__(self, engine: InferenceEngine, *, max_batch_size: int | None = None, max_wait_s: float = 0.005,
+                 inline: bool = False):
         self.engine = engine
+        self.inline = inline
         self.max_batch_size = max_batch_size or getattr(engine, "max_batch_size", 64)
         self.max_wait_s = max_wait_s
         self.stats = BatcherStats()
@@ -59,7 +67,7 @@ class AsyncBatcher:
         self._groups: dict[Hashable, list[_Waiting]] = {}
         self._arrival = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
+        self._executor = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
 
     async def generate(self, request: GenerationRequest, sampling: SamplingParams) -> list[Completion]:
         """The ``sampling.n`` completions of `request`, sampled in a batch with other callers' requests."""
@@ -78,7 +86,8 @@ class AsyncBatcher:
                 await self._worker
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> AsyncBatcher:
         return self
@@ -132,7 +141,10 @@ class AsyncBatcher:
     async def _run(self, batch: list[_Waiting]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self._call, batch)
+            if self._executor is None:
+                results = self._call(batch)
+            else:
+                results = await loop.run_in_executor(self._executor, self._call, batch)
         except Exception as error:  # noqa: BLE001 - handed to the caller(s) that own the request(s)
             if len(batch) == 1:
                 if not batch[0].future.done():
