@@ -101,6 +101,24 @@ def test_runtime_error_keeps_exit_code_and_stderr(pool):
     assert killed.status == "runtime_error" and killed.signal == signal.SIGSEGV
 
 
+def test_a_shared_read_only_path_under_the_host_tmp_is_visible(pool):
+    # e.g. a project (and its virtualenv) checked out under /tmp: the jail's private /tmp must not hide it
+    import tempfile
+
+    shared = tempfile.mkdtemp(dir="/tmp", prefix="posttrain-shared-")
+    os.chmod(shared, 0o755)  # as a checkout or a virtualenv is: readable by the jail's unprivileged uid
+    try:
+        with open(os.path.join(shared, "lib.txt"), "w") as handle:
+            handle.write("shared\n")
+        result = Sandbox(pool=pool, jail=JailOptions(ro_paths=(shared,))).run(
+            ["sh", "-c", f"cat {shared}/lib.txt; touch {shared}/x 2>/dev/null && echo writable; ls /tmp | wc -l"])
+        assert result.ok and result.stdout.split() == ["shared", "1"]  # readable, read-only, /tmp otherwise empty
+    finally:
+        import shutil
+
+        shutil.rmtree(shared)
+
+
 def test_files_in_and_collected_files_out(pool):
     result = Sandbox(pool=pool).run(
         ["sh", "-c", "cat data/in.txt | tr a-z A-Z > out/result.txt; echo log > note.log"],

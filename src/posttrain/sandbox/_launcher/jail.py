@@ -63,12 +63,14 @@ def bwrap_argv(
     if seccomp:
         args += ["--seccomp", str(SECCOMP_FD)]
     args += _SYSTEM + ["--ro-bind", etc_dir, "/etc"]
-    for path in jail.get("ro_paths", ()):
-        args += ["--ro-bind", (staged or {}).get(path, path), path]
     tmp_bytes = str(int(limits["tmp_mb"]) << 20)
     args += ["--proc", "/proc", "--dev-bind", dev_dir, "/dev",
-             "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
-             "--bind", workdir_host, WORKDIR, "--chdir", WORKDIR]
+             "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm"]
+    # After the private /tmp, so a path the caller shares from under the host's /tmp (a virtualenv there) is
+    # not hidden beneath it.
+    for path in jail.get("ro_paths", ()):
+        args += ["--ro-bind", (staged or {}).get(path, path), path]
+    args += ["--bind", workdir_host, WORKDIR, "--chdir", WORKDIR]
     args += ["--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp",
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
     for key, value in env.items():
