@@ -66,8 +66,13 @@ class TorchDataParallel:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return cls.start(int(os.environ["RANK"]), world_size, "env://", device)
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Leave the group. `finished` (every rank got through its work): meet at a barrier first, so no rank
+        tears down its side of the group while another still has traffic in flight (a rank torn down early was
+        seen aborting at exit, "terminate called without an active exception", after a complete run)."""
         if dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
     # ---- the model ---------------------------------------------------------------------------------------

@@ -28,11 +28,13 @@ def run_sft(recipe: SFTRecipe, *, resume: bool = False,
     ``cluster.backend: ray``, else in this process. Returns rank 0's result (None on other torchrun ranks)."""
     parallel = TorchDataParallel.from_env(resolve_device(recipe.runtime))
     if parallel is not None:
+        finished = False
         try:
             result = run_sft_local(recipe, resume=resume, on_step=on_step, parallel=parallel)
+            finished = True
             return result if parallel.rank == 0 else None
         finally:
-            parallel.close()
+            parallel.close(finished=finished)
     if recipe.cluster.backend == "ray":
         from posttrain.distributed.cluster import ray_session
         from posttrain.distributed.trainer import run_sft_group
@@ -47,8 +49,10 @@ def sft_rank(recipe: SFTRecipe, rank: int, world_size: int, init_method: str, de
     """What one Ray trainer actor runs: join the group, train its share, leave."""
     torch.set_num_threads(threads)
     parallel = TorchDataParallel.start(rank, world_size, init_method, device)
+    finished = False
     try:
         result = run_sft_local(recipe, resume=resume, on_step=on_step, parallel=parallel)
+        finished = True
         return result if rank == 0 else None
     finally:
-        parallel.close()
+        parallel.close(finished=finished)
