@@ -36,6 +36,16 @@ def tiny_model(tiny_tokenizer):
     return build_tiny_model("tiny-1m", tiny_tokenizer, seed=0)
 
 
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tiny_tokenizer):
+    """The tiny model saved as a Hugging Face directory, for runs that load their policy from a path."""
+    from posttrain.models import build_tiny_model, save_model_dir
+
+    path = tmp_path_factory.mktemp("policy")
+    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    return path
+
+
 def pytest_configure(config):
     import transformers
 

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.config.rl import RLRecipe
-from posttrain.models import build_tiny_model, save_model_dir
 
 ray = pytest.importorskip("ray")
 
@@ -38,13 +37,6 @@ def ray_cluster():
              runtime_env={"env_vars": {"PYTHONPATH": str(HERE), "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
-    return path
 
 
 def recipe(policy_dir, output, ray_backend: bool = True, **cluster) -> RLRecipe:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.config.rl import DomainConfig, RLRecipe
-from posttrain.models import build_tiny_model, save_model_dir
+from posttrain.models import build_tiny_model
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
 from posttrain.rl.trainer import run_rl
 from posttrain.tasks import domain
@@ -45,13 +45,6 @@ class DigitDomain:
 
     def demonstration(self, task):  # pragma: no cover - not used in these tests
         raise NotImplementedError
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
-    return path
 
 
 def recipe(policy_dir, output, **pipeline) -> RLRecipe:

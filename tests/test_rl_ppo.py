@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_rl_pipeline import DigitDomain  # noqa: F401 (registers the test_digits domain and its verifier)
-from test_rl_step import make_trajectory, sequence_logprob
+from test_rl_step import agentic_trajectory, make_trajectory, sequence_logprob
 
 from posttrain.config import ConfigError, load_recipe
 from posttrain.config.rl import ReturnConfig, RewardModelConfig, RLRecipe
-from posttrain.models import build_tiny_model, save_model_dir
+from posttrain.models import build_tiny_model
 from posttrain.rl.advantages import gae_advantages, whiten
 from posttrain.rl.critic import make_critic
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY, LearnedReward
@@ -83,16 +83,6 @@ def test_clipped_value_loss_by_hand():
 
 
 # ---- the critic on exact tokens --------------------------------------------------------------------------
-
-
-def agentic_trajectory(model):
-    """Policy tokens, an observation (context only), more policy tokens."""
-    trajectory = make_trajectory(model, [3, 10, 11], [20, 21], 1.0)
-    trajectory.token_ids += [7, 8, 22]
-    trajectory.loss_mask += [0, 0, 1]
-    trajectory.behaviour_logprobs += [0.0, 0.0, -1.5]
-    trajectory.policy_versions += [0, 0, 0]
-    return trajectory
 
 
 def gae_recipe(**critic) -> RLRecipe:
@@ -188,13 +178,6 @@ def test_a_reward_model_with_another_tokenizer_is_refused(reward_model_dir):
 
 
 # ---- the RL recipe with both ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
-    return path
 
 
 def rlhf_recipe(policy_dir, reward_model_dir, output, flaky=False) -> RLRecipe:

@@ -33,13 +33,18 @@ def make_trajectory(model, prompt, completion, score, group="g"):
     )
 
 
+def agentic_trajectory(model):
+    """An agentic episode: policy tokens, an observation (context only, not trained), more policy tokens."""
+    trajectory = make_trajectory(model, [3, 10, 11], [20, 21], 1.0)
+    trajectory.token_ids += [7, 8, 22]
+    trajectory.loss_mask += [0, 0, 1]
+    trajectory.behaviour_logprobs += [0.0, 0.0, -1.5]
+    trajectory.policy_versions += [0, 0, 0]
+    return trajectory
+
+
 def test_collate_scores_exactly_the_policy_tokens(tiny_model):
-    observation_episode = make_trajectory(tiny_model, [3, 10, 11], [20, 21], 1.0)
-    # an agentic episode: policy tokens, an observation (not trained), more policy tokens
-    observation_episode.token_ids += [7, 8, 22]
-    observation_episode.loss_mask += [0, 0, 1]
-    observation_episode.behaviour_logprobs += [0.0, 0.0, -1.5]
-    observation_episode.policy_versions += [0, 0, 0]
+    observation_episode = agentic_trajectory(tiny_model)
     micro = collate_trajectories([observation_episode], [1.0], pad_id=0, device=torch.device("cpu"))
     assert micro.targets.tolist() == [20, 21, 22]
     assert micro.behaviour[-1].item() == pytest.approx(-1.5)

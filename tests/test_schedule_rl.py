@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.config.rl import RLRecipe
-from posttrain.models import build_tiny_model, save_model_dir
 from posttrain.rl.trainer import run_rl
 from posttrain.tasks import domain, split_of
 from posttrain.tasks.base import demo_sample, task_id
@@ -60,13 +59,6 @@ class SumDomain:
 for _name, _kind in [("sched_e2e_share", "share"), ("sched_e2e_exact", "exact"), ("sched_e2e_a", "always"),
                      ("sched_e2e_b", "always")]:
     domain(_name)(lambda _name=_name, _kind=_kind: SumDomain(_name, _kind))
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    save_model_dir(path, build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
-    return path
 
 
 def recipe(policy_dir, output, **sections) -> RLRecipe:

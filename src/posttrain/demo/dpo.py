@@ -13,8 +13,8 @@ from typing import Any
 from posttrain.data.flywheel import episodes_to_pairs, write_records
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
-from posttrain.tracking import say
 from posttrain.tasks import get_domain, sample_tasks
+from posttrain.tracking import say
 from posttrain.types import SamplingParams, Task
 
 PAIRS_FILE = "dpo_pairs.jsonl"

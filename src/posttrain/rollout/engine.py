@@ -194,7 +194,7 @@ class HFEngine:
         limits = [self._room(i, r, prompt, sampling) for i, (r, prompt) in enumerate(zip(requests, prompts))]
         streams = self._streams(len(requests), sampling, request_seeds)
         started = time.perf_counter()
-        threads_before = torch.get_num_threads()
+        threads_before = torch.get_num_threads() if self.num_threads is not None else None
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         try:
@@ -215,7 +215,8 @@ class HFEngine:
                             )
                 self._runner.release()
         finally:
-            torch.set_num_threads(threads_before)  # a caller training on this thread keeps its own share
+            if threads_before is not None:  # a caller training on this thread keeps its own share
+                torch.set_num_threads(threads_before)
         self.stats.generate_calls += 1
         self.stats.generate_s += time.perf_counter() - started
         return results
