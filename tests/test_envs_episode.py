@@ -206,6 +206,28 @@ def test_verifier_crash_is_infra(tiny_tokenizer, calc_task):
     assert trajectory.reward.failure is FailureClass.INFRA
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_only_a_blocking_verifier_leaves_the_event_loop_thread(tiny_tokenizer, calc_task, blocking):
+    import threading
+
+    from posttrain.types import Reward
+    from posttrain.verify import is_blocking, register_verifier
+
+    threads = []
+
+    def recording(completion, *, final_state=None):
+        threads.append(threading.get_ident())
+        return Reward(1.0, True)
+
+    name = f"test_envs_thread_{blocking}"
+    register_verifier(name, recording, replace=True, blocking=blocking)
+    calc_task.verifier, calc_task.verifier_args = name, {}
+    trajectory = run(ScriptedEngine(tiny_tokenizer, ["6" + END]), calc_task, tiny_tokenizer)
+    assert trajectory.reward.passed and is_blocking(name) is blocking
+    assert (threads == [threading.get_ident()]) is not blocking  # asyncio.run's loop runs on this thread
+    assert not is_blocking("exact") and not is_blocking("structured") and is_blocking("code") and is_blocking("math")
+
+
 def test_unknown_environment_is_infra_with_a_clear_error(tiny_tokenizer, calc_task):
     calc_task.env = "chess"
     trajectory = run(ScriptedEngine(tiny_tokenizer, ["6" + END]), calc_task, tiny_tokenizer)
@@ -298,6 +320,31 @@ def test_a_template_that_rewrites_history_is_refused(tiny_tokenizer, calc_task):
     tokens.add_policy_turn(completion, {"role": "assistant", "content": "x"})
     with pytest.raises(EnvError, match="prefix-stable"):
         tokens.add_observation([{"role": "tool", "content": "1"}])
+
+
+def test_prompt_ids_are_cached_per_tokenizer_and_template(tiny_tokenizer, calc_task):
+    import copy
+
+    from posttrain.envs import TranscriptTokens
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    renders = []
+    render = tokenizer.apply_chat_template
+
+    def counting(*args, **kwargs):
+        renders.append(1)
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = counting
+    first = TranscriptTokens(tokenizer, calc_task.messages)
+    again = TranscriptTokens(tokenizer, calc_task.messages)  # a group member: same prompt, from the cache
+    assert again.token_ids == first.token_ids and again.prompt_length == first.prompt_length and len(renders) == 1
+    again.token_ids.append(0)  # a transcript's own list: the cached ids stay as they were
+    assert TranscriptTokens(tokenizer, calc_task.messages).token_ids == first.token_ids
+    other = [{**calc_task.messages[-1], "content": calc_task.messages[-1]["content"] + " now"}]
+    assert TranscriptTokens(tokenizer, calc_task.messages[:-1] + other).token_ids != first.token_ids
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|", "<<|")  # a new template: rendered anew
+    assert len(TranscriptTokens(tokenizer, calc_task.messages).token_ids) > len(first.token_ids)
 
 
 def test_template_with_text_after_end_of_turn(tiny_tokenizer, calc_task):

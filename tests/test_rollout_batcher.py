@@ -123,3 +123,58 @@ def test_a_bad_request_fails_alone(engine):
     *fine, failed = asyncio.run(episodes())
     assert isinstance(failed, RolloutError) and "empty prompt" in str(failed)
     assert all(len(r) == 1 and r[0].token_ids for r in fine)
+
+
+def test_a_batch_runs_without_the_window_once_every_announced_caller_waits(engine):
+    import time
+
+    reqs = prompts(engine, 3)
+    sampling = SamplingParams(max_new_tokens=3)
+
+    async def announced(batcher, request, started):
+        with batcher.client():
+            await batcher.generate(request, sampling)
+            return time.monotonic() - started
+
+    async def busy_elsewhere(batcher, seconds):
+        with batcher.client():  # announced, but waiting on something else (a tool call, a sandbox)
+            await asyncio.sleep(seconds)
+
+    async def run(window, busy_s=None):
+        async with AsyncBatcher(engine, max_wait_s=window) as batcher:
+            started = time.monotonic()
+            callers = [announced(batcher, r, started) for r in reqs]
+            if busy_s is not None:
+                callers.append(busy_elsewhere(batcher, busy_s))
+            done = await asyncio.gather(*callers)
+            return max(d for d in done if d is not None), batcher.stats
+
+    done, stats = asyncio.run(run(5.0))
+    assert done < 2.0 and stats.batch_sizes == [3]  # no one left to add a request: the 5 s window is skipped
+    done, stats = asyncio.run(run(0.5, busy_s=4.0))
+    # One announced caller is busy elsewhere: the window applies (not at once, and not until it is done).
+    assert stats.batch_sizes == [3] and 0.5 <= done < 3.5
+
+
+def test_a_caller_leaving_wakes_the_batch_of_the_callers_left(engine):
+    import time
+
+    reqs = prompts(engine, 2)
+    sampling = SamplingParams(max_new_tokens=3)
+
+    async def announced(batcher, request):
+        with batcher.client():
+            return await batcher.generate(request, sampling), time.monotonic()
+
+    async def leaves_soon(batcher):
+        with batcher.client():
+            await asyncio.sleep(0.2)
+
+    async def run():
+        async with AsyncBatcher(engine, max_wait_s=5.0) as batcher:
+            started = time.monotonic()
+            results = await asyncio.gather(*(announced(batcher, r) for r in reqs), leaves_soon(batcher))
+            return [done - started for _, done in results[:2]], batcher.stats
+
+    finished, stats = asyncio.run(run())
+    assert stats.batch_sizes == [2] and max(finished) < 2.0  # ran when the third caller left, not after 5 s

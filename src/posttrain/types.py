@@ -145,6 +145,11 @@ class SamplingParams:
     seed: int | None = None
     include_stop_in_output: bool = True
 
+    def batch_key(self, *, ignore_seed: bool = False) -> tuple:
+        """Requests with equal keys can share one engine call (``ignore_seed``: the engine seeds per request)."""
+        return tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in vars(self).items()
+                     if not (ignore_seed and name == "seed"))
+
 
 @dataclass
 class GenerationRequest:

@@ -2,7 +2,10 @@
 checkpoints in one process's format. No Ray here: a torchrun launch and the Ray trainer actors both use it.
 
 Sharding: each decoder layer (the model's ``_no_split_modules``), the decoder body and the output head are
-their own `fully_shard` units, then the root. The head is a unit of its own because the RL and SFT losses call
+their own `fully_shard` units, then the root. A unit's parameters are gathered for its forward and, for a model
+under `RESHARD_BYTES` of parameters (``reshard_after_forward: auto``), kept gathered until its backward; across
+the micro-batches of one step they stay gathered and the gradients local, so a step costs one all-gather and
+one reduce-scatter per unit (`_SyncLast`). The head is a unit of its own because the RL and SFT losses call
 the decoder and the head separately (`posttrain.train.forward.selected_logits`); a tied head shares one unit
 with the decoder. Gradients are *summed* across ranks (divide factor 1, plain SUM collectives, which gloo also
 has): every rank divides its loss by the whole batch's normalizer, so the sum is one process's gradient.
@@ -29,6 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from posttrain.distributed.errors import DistributedError
 from posttrain.train.forward import selected_logits, split_head
+from posttrain.train.optim import load_optimizer_state
+
+
+RESHARD_BYTES = 1 << 30  # "auto": re-shard after forward only models with at least this many parameter bytes
 
 
 class TorchDataParallel:
@@ -77,7 +84,7 @@ class TorchDataParallel:
 
     # ---- the model ---------------------------------------------------------------------------------------
 
-    def shard_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def shard_model(self, model: torch.nn.Module, reshard_after_forward: bool | str = "auto") -> torch.nn.Module:
         """Rank 0's weights on every rank, then FSDP2 units (see the module docstring); in place."""
         if hasattr(model, "peft_config"):
             raise DistributedError("sharded training of a LoRA model is not supported yet: train it in one "
@@ -87,20 +94,23 @@ class TorchDataParallel:
                 dist.broadcast(tensor, src=0)
         if self.rank == 0:
             self._skeleton = copy.deepcopy(model).to("meta")
+        if reshard_after_forward == "auto":
+            reshard_after_forward = sum(p.numel() * p.element_size() for p in model.parameters()) >= RESHARD_BYTES
         layers = set(getattr(model, "_no_split_modules", None) or [])
         for module in list(model.modules()):
             if type(module).__name__ in layers:
-                fully_shard(module, mesh=self.mesh)
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         parts = split_head(model)
         if parts is not None:
             decoder, head = parts
             head_ids = {id(p) for p in head.parameters()}
             if any(id(p) in head_ids for p in decoder.parameters()):
-                fully_shard([decoder, head], mesh=self.mesh)  # tied: one unit, unsharded for both calls
+                # tied: one unit, unsharded for both calls
+                fully_shard([decoder, head], mesh=self.mesh, reshard_after_forward=reshard_after_forward)
             else:
-                fully_shard(decoder, mesh=self.mesh)
-                fully_shard(head, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+                fully_shard(decoder, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(head, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         self._units = [module for module in model.modules() if isinstance(module, FSDPModule)]
         for unit in self._units:
             unit.set_gradient_divide_factor(1.0)
@@ -168,7 +178,7 @@ class TorchDataParallel:
                     value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                                               src_data_rank=None)
                 converted[index][key] = value
-        optimizer.load_state_dict({"state": converted, "param_groups": state["param_groups"]})
+        load_optimizer_state(optimizer, {"state": converted, "param_groups": state["param_groups"]})
 
     # ---- a rank's share of a batch ---------------------------------------------------------------------
 
@@ -194,8 +204,9 @@ class TorchDataParallel:
 
 class _SyncLast(list):
     """A rank's micro-batches. Iterated one by one ahead of each forward/backward (as `rl.step` does), it lets
-    only the last backward reduce-scatter: the earlier ones accumulate unsharded gradients locally, which saves a
-    collective per unit and micro-batch. Consumed all at once (as the SFT loop does), every backward syncs."""
+    only the last backward reduce-scatter and re-shard: the earlier ones accumulate unsharded gradients locally
+    and leave the parameters gathered for the next forward, which saves an all-gather and a reduce-scatter per
+    unit and micro-batch. Consumed all at once (as the SFT loop does), every backward syncs."""
 
     def __init__(self, chunks: list[list[Any]], units: list[FSDPModule]):
         super().__init__(chunks)
@@ -206,4 +217,5 @@ class _SyncLast(list):
         for index, chunk in enumerate(list.__iter__(self)):
             for unit in self._units:
                 unit.set_requires_gradient_sync(index == last, recurse=False)
+                unit.set_reshard_after_backward(index == last, recurse=False)
             yield chunk

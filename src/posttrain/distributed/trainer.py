@@ -70,7 +70,7 @@ class TrainerRank:
         tokenizer = load_tokenizer(recipe.model)
         model = prepare_model(load_model(recipe.model, tokenizer, self.device), recipe.model, recipe.runtime)
         reference = make_reference(model, recipe, runtime) if recipe.algorithm.kl_coef > 0 else None
-        model = self.parallel.shard_model(model)
+        model = self.parallel.shard_model(model, recipe.cluster.reshard_after_forward)
         self.policy = LocalPolicy(model, tokenizer, runtime, recipe, shard=self.parallel,
                                   replay_scale=1.0 / self.world_size, reference=reference)
 

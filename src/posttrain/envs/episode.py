@@ -34,8 +34,9 @@ import itertools
 import logging
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Coroutine, Iterable, Sequence
 
 from posttrain.envs.base import Action, ToolInfraError, make_environment
 from posttrain.envs.policy import as_policy
@@ -105,7 +106,8 @@ async def rollout_group(policy: Any, task: Task, tokenizer: Any, sampling: Sampl
     policy = as_policy(policy)
     group_id = kwargs.pop("group_id", None) or f"{task.id}#{next(_CALLS)}"
     episodes = [
-        rollout_episode(policy, task, tokenizer, _member_sampling(sampling, i), sandbox, group_id=group_id, **kwargs)
+        _announced(policy, rollout_episode(policy, task, tokenizer, _member_sampling(sampling, i), sandbox,
+                                           group_id=group_id, **kwargs))
         for i in range(n)
     ]
     return list(await asyncio.gather(*episodes))
@@ -122,14 +124,24 @@ async def rollout_many(policy: Any, tasks: Sequence[Task], tokenizer: Any, sampl
 
     async def one(task: Task, index: int, group_id: str) -> Trajectory:
         member = _member_sampling(sampling, index)
+        episode = _announced(policy, rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id,
+                                                     **kwargs))
         if limit is None:
-            return await rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id, **kwargs)
+            return await episode
         async with limit:
-            return await rollout_episode(policy, task, tokenizer, member, sandbox, group_id=group_id, **kwargs)
+            return await episode
 
     call = next(_CALLS)
     jobs = [one(task, i, f"{task.id}#{call}:{t}") for t, task in enumerate(tasks) for i in range(n)]
     return list(await asyncio.gather(*jobs))
+
+
+async def _announced(policy: Any, episode: Coroutine[Any, Any, Trajectory]) -> Trajectory:
+    """Run `episode` announced to the policy (`AsyncBatcher.client`: it batches without waiting when every
+    announced episode waits on it), or just run it when the policy takes no announcement."""
+    announce = getattr(policy, "client", None)
+    with announce() if callable(announce) else nullcontext():
+        return await episode
 
 
 def run_episodes(policy: Any, tasks: Sequence[Task], tokenizer: Any, sampling: SamplingParams, n: int = 1,

@@ -88,10 +88,7 @@ class SyncEnginePolicy:
         return self.engine.generate(requests, sampling)
 
     def _key(self, sampling: SamplingParams) -> Hashable:
-        fields = dataclasses.asdict(sampling)
-        if self._seeded:
-            fields.pop("seed")
-        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(fields.items()))
+        return sampling.batch_key(ignore_seed=self._seeded)
 
 
 def as_policy(policy: Any) -> AsyncPolicy:

@@ -9,6 +9,10 @@ The sequence the trainer scores is built by appending, never by re-rendering:
   (``loss_mask`` 0). If the policy's turn stopped short of the template's end of turn (a stop string instead of
   eos, or a template that writes a newline after eos), the missing closing text is prepended to the delta.
 
+The prompt's ids are cached per tokenizer (keyed by the messages, tools, template arguments and the template
+itself): the members of a GRPO group share their prompt, and rendering a chat template is the costly part of
+starting an episode.
+
 So the policy's text is never tokenized again, and for a prefix-stable template decoding the sequence gives the
 template's rendering of the transcript. A template that rewrites earlier turns when a message is added (so the
 shorter rendering is not a prefix of the longer) cannot be used this way and raises `EnvError`.
@@ -16,10 +20,18 @@ shorter rendering is not a prefix of the longer) cannot be used this way and rai
 
 from __future__ import annotations
 
+import json
+import threading
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 from posttrain.envs.base import EnvError
 from posttrain.types import Completion, Message
+
+_PROMPT_CACHE_SIZE = 4096  # prompts per tokenizer
+_prompt_caches: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_prompt_lock = threading.Lock()
 
 
 class TranscriptTokens:
@@ -34,8 +46,29 @@ class TranscriptTokens:
         self.behaviour_logprobs: list[float] = []
         self.policy_versions: list[int] = []
         self._last_turn_ids: list[int] = []
-        self._append(self._encode(self.render(self.messages, generation_prompt=True)))
+        self._append(self._prompt_ids())
         self.prompt_length = len(self.token_ids)
+
+    def _prompt_ids(self) -> list[int]:
+        """The rendered prompt's ids, from the tokenizer's cache when this prompt was seen before."""
+        try:
+            key = json.dumps([self.messages, self.tools, self.template_kwargs,
+                              getattr(self.tokenizer, "chat_template", None)], sort_keys=True)
+            with _prompt_lock:
+                cache = _prompt_caches.setdefault(self.tokenizer, OrderedDict())
+        except TypeError:  # a message or template argument JSON cannot hold, or a tokenizer without weak refs
+            return self._encode(self.render(self.messages, generation_prompt=True))
+        with _prompt_lock:
+            ids = cache.get(key)
+            if ids is not None:
+                cache.move_to_end(key)
+                return list(ids)
+        ids = tuple(self._encode(self.render(self.messages, generation_prompt=True)))
+        with _prompt_lock:
+            cache[key] = ids
+            if len(cache) > _PROMPT_CACHE_SIZE:
+                cache.popitem(last=False)
+        return list(ids)
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

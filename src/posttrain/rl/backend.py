@@ -23,7 +23,7 @@ from posttrain.rl.guarding import replay_sft_backward, set_lr_scale
 from posttrain.rl.rollouts import RolloutFn, engine_rollout
 from posttrain.rl.step import DataShard, rl_update
 from posttrain.train.forward import selected_logits, target_logprobs
-from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
 
@@ -158,7 +158,7 @@ class LocalPolicy:
 
     def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
         load_weights_from_checkpoint(self.model, checkpoint)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def set_lr_scale(self, scale: float) -> None:

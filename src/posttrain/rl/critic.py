@@ -31,7 +31,7 @@ from posttrain.models import ModelError, is_lora, merged_copy
 from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.step import collate_trajectories, mini_batches
 from posttrain.train.dpo import disable_dropout
-from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.policy_loss import clipped_value_loss
 from posttrain.train.reward_model import ScalarRewardModel, save_reward_model
 from posttrain.train.step import Runtime, optimizer_step
@@ -124,7 +124,7 @@ class Critic:
         with torch.no_grad():
             for name, tensor in saved.model.state_dict().items():
                 target[name].copy_(tensor)
-        self.optimizer.load_state_dict(state["critic"]["optimizer"])
+        load_optimizer_state(self.optimizer, state["critic"]["optimizer"])
         self.scheduler.load_state_dict(state["critic"]["scheduler"])
 
 

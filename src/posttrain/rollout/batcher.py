@@ -6,6 +6,10 @@ are waiting, then runs them as one ``engine.generate`` call in a worker thread, 
 serving episodes (tool calls, sandboxes) meanwhile. While the engine runs, new requests queue up and go in
 the next batch as soon as it finishes — under load, batches fill by themselves.
 
+Callers that announce themselves (``with batcher.client(): ...`` around an episode; `posttrain.envs.rollout_many`
+does) let the batcher skip the window: once every announced caller is waiting on it, nobody is left to add a
+request, and the batch runs at once. A caller busy elsewhere (a tool call in a sandbox) keeps the window open.
+
 ``inline=True`` runs the engine on the event loop's own thread instead (the loop waits while it samples; a
 sandbox already running keeps running in its own process). That is for a caller with nothing to do meanwhile
 — a synchronous RL step — on a CPU, where torch's OpenMP threads are fastest on the thread that already owns
@@ -23,8 +27,9 @@ import asyncio
 import dataclasses
 import inspect
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from posttrain.types import Completion, GenerationRequest, InferenceEngine, SamplingParams
@@ -67,6 +72,7 @@ class AsyncBatcher:
         self._groups: dict[Hashable, list[_Waiting]] = {}
         self._arrival = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        self._clients = 0  # announced callers (`client()`); 0: none announced, the window always applies
         self._executor = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollout")
 
     async def generate(self, request: GenerationRequest, sampling: SamplingParams) -> list[Completion]:
@@ -78,6 +84,16 @@ class AsyncBatcher:
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._drain())
         return await waiting.future
+
+    @contextmanager
+    def client(self) -> Iterator[None]:
+        """Announce a caller for its duration: when all announced callers wait, a batch runs without the window."""
+        self._clients += 1
+        try:
+            yield
+        finally:
+            self._clients -= 1
+            self._arrival.set()  # the callers left may all be waiting now
 
     async def aclose(self) -> None:
         if self._worker is not None:
@@ -98,10 +114,7 @@ class AsyncBatcher:
     # ---- internals ----------------------------------------------------------------------------------
 
     def _key(self, sampling: SamplingParams) -> Hashable:
-        fields = dataclasses.asdict(sampling)
-        if self._per_request_seeds:
-            fields.pop("seed")
-        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(fields.items()))
+        return sampling.batch_key(ignore_seed=self._per_request_seeds)
 
     def _capacity(self, sampling: SamplingParams) -> int:
         return max(1, self.max_batch_size // sampling.n)
@@ -118,6 +131,8 @@ class AsyncBatcher:
             if len(waiting) >= self._capacity(waiting[0].sampling):
                 return key, 0.0
         key = min(self._groups, key=lambda k: self._groups[k][0].arrived)
+        if self._clients and sum(map(len, self._groups.values())) >= self._clients:
+            return key, 0.0  # every announced caller waits here: no request is coming to fill the batch
         return key, max(0.0, self._groups[key][0].arrived + self.max_wait_s - now)
 
     async def _drain(self) -> None:

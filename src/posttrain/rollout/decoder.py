@@ -124,9 +124,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DecoderRunner:
     """Prefill, decode and compaction for one batch of rows (sequences), the prompt KV shared by its group.
 
-    KV caches are time-major, ``[length, batch, kv_heads, head_dim]`` per layer, stored in the attention
-    operand dtype (bf16 under autocast: exactly what SDPA would be given, and half the memory traffic —
-    decode attention is memory-bound) and widened to float32 for the matmuls, as SDPA accumulates:
+    KV caches are time-major, ``[length, batch, kv_heads, head_dim]`` per layer, rounded to the attention
+    operand dtype (bf16 under autocast: exactly what SDPA would be given) and stored widened to float32, the
+    dtype of the attention matmuls (SDPA accumulates in float32). Storing them widened doubles their memory but
+    reads less per step than widening a low-precision cache at every step (2 bytes read, 4 written and read
+    again per element), and saves an op per cache and layer; on tiny-3m it cut a decode step's time by a fifth:
 
     * the prompt part, one slot per distinct prompt, written once by the prefill and never copied per row;
     * the generated part, one slot per row, preallocated for ``max_new_tokens`` columns.
@@ -225,10 +227,10 @@ class DecoderRunner:
         self.prompt_values = [self._empty(width, len(prompts)) for _ in self.layers]
 
         def attend(index, q, k, v, scaling):
-            self.prompt_keys[index][:] = k.transpose(0, 1)
-            self.prompt_values[index][:] = v.transpose(0, 1)
-            keys = self.prompt_keys[index].float().permute(1, 2, 3, 0)  # [B, kv_heads, D, P]
-            values = self.prompt_values[index].float().permute(1, 2, 0, 3)  # [B, kv_heads, P, D]
+            self.prompt_keys[index][:] = k.transpose(0, 1).to(self.attn_dtype)
+            self.prompt_values[index][:] = v.transpose(0, 1).to(self.attn_dtype)
+            keys = self.prompt_keys[index].permute(1, 2, 3, 0)  # [B, kv_heads, D, P]
+            values = self.prompt_values[index].permute(1, 2, 0, 3)  # [B, kv_heads, P, D]
             batch, _, heads, head_dim = q.shape
             # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
             q = self._operand(q).permute(0, 2, 1, 3).reshape(batch, self.num_kv_heads, self.group * width, head_dim)
@@ -253,7 +255,7 @@ class DecoderRunner:
 
     def _empty(self, length: int, batch: int) -> torch.Tensor:
         shape = (length, batch, self.num_kv_heads, self.head_dim)
-        return torch.empty(shape, dtype=self.attn_dtype, device=self.device)
+        return torch.empty(shape, dtype=torch.float32, device=self.device)  # holds attn_dtype-rounded values
 
     # ---- decode: one token per row, attending to its prompt (shared) and its own tokens ---------------
 
@@ -266,18 +268,18 @@ class DecoderRunner:
 
     def _attend_step(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
         rows, kv_heads, group, head_dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        self.keys[index][self.length] = k[:, 0]
-        self.values[index][self.length] = v[:, 0]
+        self.keys[index][self.length] = k[:, 0].to(self.attn_dtype)
+        self.values[index][self.length] = v[:, 0].to(self.attn_dtype)
         q = self._operand(q).view(rows, kv_heads, group, head_dim)
-        prompt_keys = self.prompt_keys[index].float().permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
-        own_keys = self.keys[index][: self.length + 1].float().permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
+        prompt_keys = self.prompt_keys[index].permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
+        own_keys = self.keys[index][: self.length + 1].permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
         prompt_scores = self._from_grid(torch.matmul(self._to_grid(q), prompt_keys)) + self.row_bias
         scores = torch.cat([prompt_scores, torch.matmul(q, own_keys)], dim=-1).mul_(scaling)
         weights = torch.softmax(scores, dim=-1)
         width = prompt_keys.shape[-1]
-        own_values = self.values[index][: self.length + 1].float().permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
+        own_values = self.values[index][: self.length + 1].permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
         out = torch.matmul(weights[..., width:], own_values)
-        prompt_values = self.prompt_values[index].float().permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
+        prompt_values = self.prompt_values[index].permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
         out += self._from_grid(torch.matmul(self._to_grid(weights[..., :width]), prompt_values))
         return out.view(rows, 1, kv_heads * group * head_dim).to(self.attn_dtype)
 

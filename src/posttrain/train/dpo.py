@@ -59,7 +59,7 @@ from posttrain.models import (
 )
 from posttrain.tracking import Tracker, say
 from posttrain.train.forward import selected_logits, target_logprobs
-from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.preference_losses import preference_loss
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
 
@@ -183,7 +183,7 @@ def resume_from_checkpoint(stage: str, output_dir: Path, model, optimizer, sched
         return None
     state = load_training_state(checkpoint)
     load_weights_from_checkpoint(model, checkpoint)
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])
     say(f"[{stage}] resumed from {checkpoint} at step {state['cursor']['step']}")

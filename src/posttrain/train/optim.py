@@ -8,6 +8,7 @@ usual practice since GPT-2), and a schedule of linear warmup then cosine / linea
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -20,10 +21,31 @@ def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.
         if parameter.requires_grad:
             (decay if parameter.ndim >= 2 else no_decay).append(parameter)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach: one fused kernel per group instead of a Python loop per parameter (matters for tiny models,
-    # where the optimizer step is a visible share of the step time).
+    # Fused (one kernel for the whole update) where torch has it for these tensors, else foreach (one kernel per
+    # operation over a group) -- never the per-parameter Python loop. On tiny models the optimizer is a visible
+    # share of a step: tiny-3m on 2 CPU cores, 6.2 ms foreach against 0.85 ms fused; the two agree to float
+    # rounding. Sharded (DTensor) parameters take foreach.
+    fused = _can_fuse(decay + no_decay)
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps, foreach=True
+        [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps,
+        fused=fused or None, foreach=not fused,
+    )
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a saved optimizer state, keeping this optimizer's own implementation (fused or foreach): a run
+    resumed on another backend (sharded parameters take foreach) must not inherit the saver's kernel choice."""
+    implementation = ("fused", "foreach")
+    groups = [{**saved, **{key: current[key] for key in implementation if key in current}}
+              for saved, current in zip(state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
+
+
+def _can_fuse(parameters: list[torch.Tensor]) -> bool:
+    devices = {"cpu", "cuda"}
+    return bool(parameters) and all(
+        type(p.data) is torch.Tensor and p.device.type in devices
+        and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in parameters
     )
 
 

@@ -38,7 +38,7 @@ from posttrain.models import (
 )
 from posttrain.tracking import Tracker, say
 from posttrain.train.losses import sft_loss_sum
-from posttrain.train.optim import build_optimizer, build_scheduler
+from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
 
 
@@ -47,7 +47,7 @@ class DataParallel(Protocol):
 
     rank: int
 
-    def shard_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def shard_model(self, model: torch.nn.Module, reshard_after_forward: bool | str = "auto") -> torch.nn.Module: ...
 
     def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
         """This rank's micro-batches of a step: the same count on every rank, some possibly empty."""
@@ -129,7 +129,7 @@ def run_sft(
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
     if parallel is not None:
-        model = parallel.shard_model(model)
+        model = parallel.shard_model(model, recipe.cluster.reshard_after_forward)
 
     rows_per_epoch = len(data.epoch_rows(0))
     steps_per_epoch = max(1, math.ceil(rows_per_epoch / recipe.train.batch_size))
@@ -143,7 +143,7 @@ def run_sft(
         if parallel is not None:
             parallel.load_optimizer_state(optimizer, state["optimizer"])
         else:
-            optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         cursor = _Cursor(**state["cursor"])
         restore_rng(state["rng"])

@@ -48,7 +48,7 @@ def _check_exact_args(answer: Any = None, extract: str = "all", **_: Any) -> Non
         raise VerifyError(f"verifier 'exact': extract must be one of {', '.join(EXTRACTORS)}, got {extract!r}")
 
 
-@verifier("exact", check=_check_exact_args)
+@verifier("exact", check=_check_exact_args, blocking=False)
 def verify_exact(completion: str, answer: str | int, *, case_sensitive: bool = False, extract: str = "all",
                  final_state: dict[str, Any] | None = None) -> Reward:
     """1 if the extracted answer equals `answer` after normalization, else 0."""

@@ -57,7 +57,7 @@ def _check_format_args(pattern: Any = None, grammar: Any = None, flags: str = ""
         Grammar(grammar)
 
 
-@verifier("format", check=_check_format_args)
+@verifier("format", check=_check_format_args, blocking=False)
 def verify_format(completion: str, pattern: str | None = None, *, grammar: str | None = None, flags: str = "",
                   full_match: bool = True, final_state: dict[str, Any] | None = None) -> Reward:
     """1 if `completion` matches `pattern` (regex) or `grammar` (see `posttrain.verify.grammar`), else 0."""

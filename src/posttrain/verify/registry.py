@@ -12,6 +12,11 @@ given (a string, bytes, a `Trajectory`, garbage) it returns a `Reward`: an unjud
 never a 0). Only a malformed spec raises: `VerifyError`, as early as `check_task` at task construction.
 
 When the completion is empty and ``final_state["answer"]`` is a string (agentic episodes), that answer is judged.
+
+A verifier registered with ``blocking=False`` promises to be pure Python that never waits (no sandbox, no worker
+process, no I/O): an episode loop may then call it on its own thread instead of handing it to a worker thread
+(`is_blocking`). A pure-Python verifier holds the GIL either way, so a worker thread would not keep the loop
+responsive; it would only cost the hand-off.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class _Entry:
     safe: Verifier  # the wrapped function: always returns a Reward for a well-formed spec
     raw: Callable[..., Reward]
     check: Callable[..., None] | None  # deeper spec validation than the signature (raises VerifyError)
+    blocking: bool = True  # may wait (a sandbox, a worker process, I/O): callers run it in a worker thread
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -54,9 +60,10 @@ def _judged_text(completion: Any, final_state: dict[str, Any] | None) -> tuple[s
 
 
 def register_verifier(name: str, fn: Callable[..., Reward], *, check: Callable[..., None] | None = None,
-                      replace: bool = False) -> Verifier:
+                      replace: bool = False, blocking: bool = True) -> Verifier:
     """Register `fn` under `name` and return its safe wrapper. `check(**verifier_args)` may raise VerifyError
-    for a spec the signature alone cannot reject (malformed tests, an invalid schema ...)."""
+    for a spec the signature alone cannot reject (malformed tests, an invalid schema ...). ``blocking=False``:
+    `fn` never waits (see the module doc)."""
     if not name or not isinstance(name, str):
         raise VerifyError(f"a verifier name must be a non-empty string, got {name!r}")
     if name in _REGISTRY and not replace and _REGISTRY[name].raw is not fn:
@@ -78,15 +85,16 @@ def register_verifier(name: str, fn: Callable[..., Reward], *, check: Callable[.
         reward.details.setdefault("verifier", name)
         return reward
 
-    _REGISTRY[name] = _Entry(name, safe, fn, check)
+    _REGISTRY[name] = _Entry(name, safe, fn, check, blocking)
     return safe
 
 
-def verifier(name: str, *, check: Callable[..., None] | None = None) -> Callable[[Callable[..., Reward]], Verifier]:
+def verifier(name: str, *, check: Callable[..., None] | None = None,
+             blocking: bool = True) -> Callable[[Callable[..., Reward]], Verifier]:
     """Decorator form of `register_verifier`: ``@verifier("math")``."""
 
     def register(fn: Callable[..., Reward]) -> Verifier:
-        return register_verifier(name, fn, check=check)
+        return register_verifier(name, fn, check=check, blocking=blocking)
 
     return register
 
@@ -104,6 +112,11 @@ def get_verifier(name: str) -> Verifier:
     return _entry(name).safe
 
 
+def is_blocking(name: str) -> bool:
+    """Whether verifier `name` may wait (run it in a worker thread); False only for ``blocking=False`` ones."""
+    return _entry(name).blocking
+
+
 def list_verifiers() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -113,9 +126,7 @@ def check_verifier_args(name: str, verifier_args: dict[str, Any]) -> None:
     entry = _entry(name)
     if not isinstance(verifier_args, dict):
         raise VerifyError(f"verifier_args for {name!r} must be a dict, got {type(verifier_args).__name__}")
-    signature = inspect.signature(entry.raw)
-    takes = [p for p in list(signature.parameters)[1:] if p != "final_state"]
-    open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    signature, takes, open_ended = _parameters(entry.raw)
     unknown = [key for key in verifier_args if key not in takes]
     if unknown and not open_ended:
         hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, takes, 1))
@@ -127,6 +138,14 @@ def check_verifier_args(name: str, verifier_args: dict[str, Any]) -> None:
         raise VerifyError(f"verifier {name!r}: {error}; it takes: {', '.join(takes)}") from None
     if entry.check is not None:
         entry.check(**verifier_args)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable[..., Reward]) -> tuple[inspect.Signature, list[str], bool]:
+    """`fn`'s signature, the verifier arguments it takes, and whether it takes any (``**kwargs``)."""
+    signature = inspect.signature(fn)
+    takes = [p for p in list(signature.parameters)[1:] if p != "final_state"]
+    return signature, takes, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
 def check_task(task: Task) -> None:

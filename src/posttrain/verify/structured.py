@@ -102,7 +102,7 @@ def _check_structured_args(schema: Any = None, reference: Any = None, source: An
         raise VerifyError("verifier 'structured': source must be the text the fields are extracted from")
 
 
-@verifier("structured", check=_check_structured_args)
+@verifier("structured", check=_check_structured_args, blocking=False)
 def verify_structured(completion: str, schema: dict[str, Any], reference: dict[str, Any], source: str | None = None,
                       *, ground: bool = True, final_state: dict[str, Any] | None = None) -> Reward:
     """Fraction of `reference` fields right (and grounded in `source`); 0 unless valid against `schema`."""
