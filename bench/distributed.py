@@ -3,15 +3,16 @@
     .venv/bin/python bench/distributed.py [--preset tiny-3m] [--steps 10] [--rounds 3] [--cores 2]
 
 Same recipe, same model, same total cores (``--cores``): the local backend runs in this process with that many
-torch threads; the Ray backend runs ``--cores`` rollout workers and ``--cores`` FSDP trainer ranks with one
-thread each, on a private Ray instance with ``--cores`` CPUs (the workers and ranks take turns, as the local
+torch threads; the Ray backend runs ``--cores`` rollout workers and ``--cores`` trainer ranks with one thread
+each (``cluster.data_parallel: auto``, which replicates a model this small, and again with ``fsdp``), on a private Ray instance with ``--cores`` CPUs (the workers and ranks take turns, as the local
 run's rollout and training do: ``max_staleness: 0``). Each run takes ``--steps`` RL steps on the arithmetic
 domain (8 prompts x 8 samples, up to 32 new tokens); steps/s are measured between the end of step 2 and the end of
 the last step (start-up and warm-up left out). Runs alternate local, Ray, local, ... and the figures are medians
 over ``--rounds`` (the machine is shared: single runs are noisy).
 
-Ends with one JSON line: both medians, ``"ratio"`` (Ray steps/s over local steps/s) and ``"overhead"``
-(1 - ratio; the goal is under 0.15 on the tiny preset).
+Ends with one JSON line: the medians, ``"ratio"`` (Ray steps/s over local steps/s, the default
+``data_parallel``), ``"overhead"`` (1 - ratio; the goal is under 0.15 on the tiny preset), and the same two for
+FSDP-sharded ranks (``"ratio_fsdp"``, ``"overhead_fsdp"``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def make_policy(preset: str, directory: Path) -> Path:
     return directory
 
 
-def make_recipe(policy: Path, output: Path, steps: int, cores: int, backend: str) -> RLRecipe:
+def make_recipe(policy: Path, output: Path, steps: int, cores: int, backend: str,
+                data_parallel: str = "auto") -> RLRecipe:
     cluster = {"backend": backend, "num_rollout_workers": cores, "num_trainer_workers": cores,
-               "rollout": {"num_cpus": 0.5, "threads": 1}, "trainer": {"num_cpus": 0.5, "threads": 1}}
+               "rollout": {"num_cpus": 0.5, "threads": 1}, "trainer": {"num_cpus": 0.5, "threads": 1},
+               "data_parallel": data_parallel}
     return RLRecipe.model_validate({
         "output_dir": str(output),
         "model": {"path": str(policy)},
@@ -88,28 +91,33 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="posttrain-bench-distributed-"))
     policy = make_policy(args.preset, root / "policy")
     ray.init(num_cpus=args.cores, include_dashboard=False, logging_level="warning")
-    figures: dict[str, list[float]] = {"local": [], "ray": []}
-    phases: dict[str, list[dict[str, float]]] = {"local": [], "ray": []}
+    runs = {"local": ("local", "auto"), "ray": ("ray", "auto"), "ray_fsdp": ("ray", "fsdp")}
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     try:
         for round_index in range(args.rounds):
-            for backend in ("local", "ray"):
-                recipe = make_recipe(policy, root / f"{backend}-{round_index}", args.steps, args.cores, backend)
+            for name, (backend, data_parallel) in runs.items():
+                recipe = make_recipe(policy, root / f"{name}-{round_index}", args.steps, args.cores, backend,
+                                     data_parallel)
                 steps_per_s, seconds = timed_run(recipe)
-                figures[backend].append(steps_per_s)
-                phases[backend].append(seconds)
-                print(f"round {round_index + 1}: {backend} {steps_per_s:.3f} steps/s", file=sys.stderr)
+                figures[name].append(steps_per_s)
+                phases[name].append(seconds)
+                print(f"round {round_index + 1}: {name} {steps_per_s:.3f} steps/s", file=sys.stderr)
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     local, distributed = statistics.median(figures["local"]), statistics.median(figures["ray"])
+    sharded = statistics.median(figures["ray_fsdp"])
     per_phase = {backend: {key: round(statistics.median(run[key] for run in runs), 4) for key in runs[0]}
                  for backend, runs in phases.items()}
     print(json.dumps({
         "bench": "distributed", "preset": args.preset, "cores": args.cores, "steps": args.steps,
         "local_steps_per_s": round(local, 4), "ray_steps_per_s": round(distributed, 4),
+        "ray_fsdp_steps_per_s": round(sharded, 4),
         "runs": {k: [round(v, 4) for v in values] for k, values in figures.items()},
         "seconds_per_step": per_phase,
         "ratio": round(distributed / local, 4), "overhead": round(1 - distributed / local, 4),
+        "ratio_fsdp": round(sharded / local, 4), "overhead_fsdp": round(1 - sharded / local, 4),
     }))
     return 0
 

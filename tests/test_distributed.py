@@ -93,6 +93,21 @@ def test_split_and_shares_are_deterministic_and_in_step():
     assert [shard.micro_batches([0], 4) for shard in ranks] == [[[0]], [[]]]  # rank 1 idles, in step
 
 
+def test_auto_data_parallel_replicates_small_models_and_shards_big_ones(monkeypatch):
+    import torch
+
+    from posttrain.distributed import parallel
+    from posttrain.distributed.errors import DistributedError
+
+    model = torch.nn.Linear(64, 64)  # 16.6 kB of parameters
+    assert parallel.data_parallel_mode("auto", model) == "replicate"
+    monkeypatch.setattr(parallel, "REPLICATE_BYTES", 1000)
+    assert parallel.data_parallel_mode("auto", model) == "fsdp"
+    assert parallel.data_parallel_mode("replicate", model) == "replicate"
+    with pytest.raises(DistributedError, match="cluster.data_parallel: expected auto, fsdp or replicate"):
+        parallel.data_parallel_mode("zero3", model)
+
+
 @pytest.mark.ray
 def test_placement_is_checked_before_anything_starts(ray_cluster, policy_dir, tmp_path):
     from posttrain.distributed import PlacementError, run_rl
@@ -147,7 +162,7 @@ def test_sandbox_workers_run_jails_and_survive_a_kill(ray_cluster):
 def ray_run(ray_cluster, policy_dir, tmp_path_factory):
     from posttrain.distributed import run_rl
 
-    return run_rl(recipe(policy_dir, tmp_path_factory.mktemp("ray") / "run"))
+    return run_rl(recipe(policy_dir, tmp_path_factory.mktemp("ray") / "run", data_parallel="fsdp"))
 
 
 @pytest.mark.ray
@@ -172,6 +187,27 @@ def test_rl_on_ray_matches_the_one_process_run(ray_run, policy_dir, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_replicated_ranks_match_the_one_process_run_and_resume_exactly(ray_cluster, policy_dir, tmp_path):
+    from posttrain.distributed import run_rl
+    from posttrain.rl.trainer import run_rl as run_local
+
+    local = run_local(recipe(policy_dir, tmp_path / "local", ray_backend=False))
+    replicated = run_rl(recipe(policy_dir, tmp_path / "replicated", data_parallel="replicate"))
+    for (loss_a, norm_a, reward_a), (loss_b, norm_b, reward_b) in zip(figures(local), figures(replicated)):
+        assert reward_a == reward_b
+        assert loss_b == pytest.approx(loss_a, abs=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-4)
+    assert max_weight_gap(local.final_dir, replicated.final_dir) < 1e-4
+    # Stopped after step 2 (its checkpoint), resumed to the end: the same steps as the run that went through.
+    stopped = recipe(policy_dir, tmp_path / "stopped", data_parallel="replicate")
+    run_rl(stopped, on_step=lambda step, metrics: step == 2)
+    resumed = run_rl(stopped, resume=True)
+    assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]
+    assert figures(resumed) == figures(replicated)[2:]
+    assert max_weight_gap(resumed.final_dir, replicated.final_dir) == 0.0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_rollout_worker_is_restarted_and_no_episode_is_lost_or_doubled(ray_run, policy_dir, tmp_path):
     from posttrain.distributed import run_rl
 
@@ -180,7 +216,7 @@ def test_a_killed_rollout_worker_is_restarted_and_no_episode_is_lost_or_doubled(
             worker = named_actor("-rollout-0")
             threading.Timer(0.2, lambda: ray.kill(worker, no_restart=False)).start()
 
-    killed = run_rl(recipe(policy_dir, tmp_path / "killed"), on_step=kill_soon)
+    killed = run_rl(recipe(policy_dir, tmp_path / "killed", data_parallel="fsdp"), on_step=kill_soon)
     assert killed.history[-1]["cluster/rollout_restarts"] >= 1
     logged = episodes(killed.output_dir)
     assert len(logged) == STEPS * PROMPTS * GROUP
@@ -201,10 +237,10 @@ def test_a_dead_trainer_rank_stops_the_run_and_resume_continues_exactly(ray_run,
             ray.kill(named_actor("-trainer-1"), no_restart=True)
 
     with pytest.raises(TrainerRankError, match="--resume"):
-        run_rl(recipe(policy_dir, tmp_path / "run"), on_step=kill_rank)
+        run_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), on_step=kill_rank)
     time.sleep(0.5)
     assert not [name for name in ray.util.list_named_actors() if "-trainer-" in name]  # the group was stopped
-    resumed = run_rl(recipe(policy_dir, tmp_path / "run"), resume=True)
+    resumed = run_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]  # from the checkpoint of step 2
     assert figures(resumed) == figures(ray_run)[2:]
     assert max_weight_gap(resumed.final_dir, ray_run.final_dir) == 0.0

@@ -75,10 +75,11 @@ def weight_gap(a: Path, b: Path) -> float:
     return max(float((wa[key] - wb[key]).abs().max()) for key in wa)
 
 
-def test_torchrun_sharded_sft_matches_one_process_and_resumes_exactly(tmp_path, data_file):
+@pytest.mark.parametrize("mode", ["fsdp", "replicate"])
+def test_torchrun_sharded_sft_matches_one_process_and_resumes_exactly(tmp_path, data_file, mode):
     single = run_sft(load_recipe(write_recipe(tmp_path / "single", data_file, 6), schema=SFTRecipe))
     sharded = tmp_path / "sharded"
-    torchrun(write_recipe(sharded, data_file, 6))
+    torchrun(write_recipe(sharded, data_file, 6, data_parallel=mode))
     one, two = losses(single.output_dir), losses(sharded / "run")
     assert one.keys() == two.keys() == set(range(1, 7))
     assert all(two[step] == pytest.approx(one[step], abs=1e-5) for step in one)
@@ -90,8 +91,8 @@ def test_torchrun_sharded_sft_matches_one_process_and_resumes_exactly(tmp_path, 
 
     # Stop after step 3 (its checkpoint), then resume sharded to step 6: the same steps 4-6.
     crashed = tmp_path / "crashed"
-    torchrun(write_recipe(crashed, data_file, 3))
-    torchrun(write_recipe(crashed, data_file, 6), "--resume")
+    torchrun(write_recipe(crashed, data_file, 3, data_parallel=mode))
+    torchrun(write_recipe(crashed, data_file, 6, data_parallel=mode), "--resume")
     resumed = losses(crashed / "run")
     assert all(resumed[step] == pytest.approx(two[step], abs=1e-6) for step in (4, 5, 6))
     assert weight_gap(crashed / "run" / "final", sharded / "run" / "final") < 1e-6

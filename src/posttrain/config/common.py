@@ -95,10 +95,12 @@ class ClusterConfig(Section):
     local_cpus: int | None = Field(None, gt=0)  # CPUs of the private instance (default: all of them)
     num_rollout_workers: int = Field(2, gt=0)  # engine actors, each with its own copy of the weights (RL)
     num_trainer_workers: int = Field(1, gt=0)  # FSDP ranks
-    # FSDP: re-shard each unit's parameters after its forward (and gather them again for the backward).
-    # "auto": only for models of 1 GiB of parameters or more; a smaller one stays gathered from forward to
-    # backward, which saves a collective per unit and micro-batch (torchrun SFT reads it too)
-    reshard_after_forward: bool | Literal["auto"] = "auto"
+    # How the trainer ranks split the model (torchrun SFT reads it too). "fsdp": parameters, gradients and
+    # optimizer state sharded with FSDP2, one unit per decoder layer (the least memory: for big models).
+    # "replicate": every rank holds the whole model and optimizer, and one all-reduce per step sums the
+    # gradients (the least traffic; no gather for the engines' weights). "auto": replicate under 1 GiB of
+    # parameters, else fsdp
+    data_parallel: Literal["auto", "fsdp", "replicate"] = "auto"
     num_sandbox_workers: int = Field(0, ge=0)  # 0: sandboxes run in each rollout worker's own pool
     sandbox_slots: int = Field(1, gt=0)  # concurrent jails per sandbox worker
     sandbox_backend: Literal["bubblewrap", "unsafe-local"] = "bubblewrap"

@@ -70,17 +70,19 @@ class TrainerRank:
         tokenizer = load_tokenizer(recipe.model)
         model = prepare_model(load_model(recipe.model, tokenizer, self.device), recipe.model, recipe.runtime)
         reference = make_reference(model, recipe, runtime) if recipe.algorithm.kl_coef > 0 else None
-        model = self.parallel.shard_model(model, recipe.cluster.reshard_after_forward)
+        model = self.parallel.shard_model(model, recipe.cluster.data_parallel)
         self.policy = LocalPolicy(model, tokenizer, runtime, recipe, shard=self.parallel,
                                   replay_scale=1.0 / self.world_size, reference=reference)
 
     def update(self, batch: tuple[list[Trajectory], list[float], list | None]):
         """The step (trajectories, advantages, replay) on this rank's share; then (rank 0's metrics, rank 0's
         whole weights)."""
-        metrics = self.policy.update(*batch)
         started = time.perf_counter()
+        metrics = self.policy.update(*batch)
+        gathering = time.perf_counter()
         state = self.parallel.full_state_dict(self.policy.model)
-        metrics["time/weights_gather_s"] = time.perf_counter() - started
+        metrics["time/rank_update_s"] = gathering - started  # the rest of the driver's train_s is Ray's share
+        metrics["time/weights_gather_s"] = time.perf_counter() - gathering
         return (metrics if self.rank == 0 else None), state
 
     def optimizer_state(self) -> dict[str, Any] | None:

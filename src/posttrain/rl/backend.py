@@ -142,6 +142,8 @@ class LocalPolicy:
             updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
         ) if trajectories else {}
         if not trajectories and "guard/replay_loss" in metrics:
+            if self.shard is not None:
+                self.shard.reduce_gradients(model)
             stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
         metrics.update({f"train/{k}": v for k, v in stats.items()})
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]

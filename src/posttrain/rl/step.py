@@ -56,6 +56,10 @@ class DataShard(Protocol):
         """`value` of every rank, in rank order."""
         ...
 
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """After the backward passes of an optimizer step: the ranks' gradients summed on every rank."""
+        ...
+
 
 @dataclass
 class _MicroBatch:
@@ -235,6 +239,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyL
     trainer_all = torch.cat(trainer_logprobs) if trainer_logprobs else torch.zeros(0)
     behaviour_all = torch.cat(behaviour_logprobs) if behaviour_logprobs else torch.zeros(0)
     if shard is not None:
+        shard.reduce_gradients(model)
         loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
             shard, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
     out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}

@@ -47,7 +47,9 @@ class DataParallel(Protocol):
 
     rank: int
 
-    def shard_model(self, model: torch.nn.Module, reshard_after_forward: bool | str = "auto") -> torch.nn.Module: ...
+    def shard_model(self, model: torch.nn.Module, mode: str = "auto") -> torch.nn.Module: ...
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None: ...
 
     def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
         """This rank's micro-batches of a step: the same count on every rank, some possibly empty."""
@@ -129,7 +131,7 @@ def run_sft(
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
     if parallel is not None:
-        model = parallel.shard_model(model, recipe.cluster.reshard_after_forward)
+        model = parallel.shard_model(model, recipe.cluster.data_parallel)
 
     rows_per_epoch = len(data.epoch_rows(0))
     steps_per_epoch = max(1, math.ceil(rows_per_epoch / recipe.train.batch_size))
@@ -225,6 +227,7 @@ def _train_loop(recipe, model, tokenizer, data: PreparedSFTData, optimizer, sche
             loss_sum += float(summed.detach())
             input_tokens += batch["num_tokens"]
         if parallel is not None:
+            parallel.reduce_gradients(model)
             parts = parallel.all_gather((loss_sum, input_tokens))
             loss_sum, input_tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
         grad_norm = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
