@@ -67,6 +67,19 @@ def test_logprobs_equal_a_teacher_forced_forward(model, tokenizer, runner, tempe
     assert max_gap(model, reqs, groups, temperature) < 1e-4  # logprobs are untruncated, tempered
 
 
+@pytest.mark.slow
+def test_the_compiled_decode_step_samples_what_a_teacher_forced_forward_scores(model, tokenizer):
+    engine = HFEngine(model, tokenizer, compile=True)
+    reqs = requests(tokenizer)
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, seed=3)
+    for _ in range(2):  # rows finish at different steps, so the second call runs compacted shapes too
+        groups = engine.generate(reqs, sampling)
+        assert max_gap(model, reqs, groups, 1.0) < 1e-4
+    eager = HFEngine(model, tokenizer).generate(reqs, SamplingParams(max_new_tokens=12, temperature=0))
+    compiled = engine.generate(reqs, SamplingParams(max_new_tokens=12, temperature=0))
+    assert [c.token_ids for g in compiled for c in g] == [c.token_ids for g in eager for c in g]
+
+
 def test_greedy_equals_transformers_generate(model, tokenizer):
     reqs = requests(tokenizer)
     for runner in ("fast", "generic"):
@@ -103,16 +116,18 @@ def test_other_architectures_match_teacher_forcing(tokenizer):
             assert max_gap(candidate, reqs, groups, 0.8) < 1e-4
 
 
-def test_group_sampling_prefills_each_prompt_once(model, tokenizer):
+def test_group_sampling_prefills_each_prompt_once(model, tokenizer, monkeypatch):
+    from posttrain.rollout import decoder
+
     engine = HFEngine(model, tokenizer)
     seen = []
-    original = engine._runner._forward
+    original = decoder._layers
 
-    def spy(ids, *args):
-        seen.append(tuple(ids.shape))
-        return original(ids, *args)
+    def spy(x, *args):
+        seen.append(tuple(x.shape[:2]))
+        return original(x, *args)
 
-    engine._runner._forward = spy
+    monkeypatch.setattr(decoder, "_layers", spy)  # the layer stack, run by the prefill and each decode step
     reqs = requests(tokenizer)
     engine.generate(reqs, SamplingParams(max_new_tokens=3, n=4, seed=0))
     width = max(len(r.prompt_token_ids) for r in reqs)

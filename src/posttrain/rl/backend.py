@@ -190,7 +190,8 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_thread
     for parameter in engine_model.parameters():
         parameter.requires_grad_(False)
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
-                    max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads)
+                    max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads,
+                    compile=recipe.runtime.compile)
 
 
 def make_reference(model, recipe: RLRecipe, runtime: Runtime):

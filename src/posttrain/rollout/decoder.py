@@ -24,6 +24,8 @@ tokens only, so a padded prompt sees the positions it would see alone.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +85,49 @@ class _Weights:
         return hit[1]
 
 
+Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, bias) as a matmul uses them
+
+
+class _Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+class _LayerWeights(NamedTuple):
+    """One decoder layer's tensors for one step: what the layer maths reads (and all that a compiled step
+    takes as inputs)."""
+
+    input_norm: _Norm
+    qkv: Linear  # q/k/v fused into one matmul
+    q_norm: _Norm | None  # Qwen3
+    k_norm: _Norm | None
+    o: Linear
+    post_norm: _Norm
+    gate_up: Linear  # gate/up fused
+    down: Linear
+    scaling: float
+
+
+class _Dims(NamedTuple):
+    heads: int
+    kv_heads: int
+    group: int  # query heads per key/value head
+    head_dim: int
+    autocast: torch.dtype | None  # matmul dtype (None: the parameters')
+    attn_dtype: torch.dtype  # what SDPA would be given: the attention operands are rounded to it
+
+
+class _DecodeCaches(NamedTuple):
+    keys: list[torch.Tensor]  # per layer [max_new, rows, kv_heads, head_dim], float32
+    values: list[torch.Tensor]
+    prompt_keys: list[torch.Tensor]  # per layer [P, prompts, kv_heads, head_dim]
+    prompt_values: list[torch.Tensor]
+    grid_index: torch.Tensor  # row -> its place on the [prompts, slots] grid
+    row_bias: torch.Tensor  # [rows, 1, 1, P]: -inf on a row's prompt padding
+    prompts: int
+    slots: int
+
+
 class _Layer:
     """One decoder layer's parameters, resolved once (attribute lookups cost per step)."""
 
@@ -90,35 +135,141 @@ class _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         self.qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
         self.o, self.gate_up, self.down = attention.o_proj, (mlp.gate_proj, mlp.up_proj), mlp.down_proj
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
-        self.q_norm = getattr(attention, "q_norm", None)
-        self.k_norm = getattr(attention, "k_norm", None)
+        self.input_norm = _norm(layer.input_layernorm)
+        self.post_norm = _norm(layer.post_attention_layernorm)
+        self.q_norm = _norm(getattr(attention, "q_norm", None))
+        self.k_norm = _norm(getattr(attention, "k_norm", None))
         self.scaling = float(attention.scaling)
         self.weights = weights
 
-    def linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of the fused q/k/v projection, o, the fused gate/up projection, and down."""
+    def resolve(self) -> _LayerWeights:
+        """The layer's tensors now: the fused q/k/v and gate/up projections and the casts come from the cache."""
         get, fused = self.weights.get, self.weights.fused
-        return [
+        return _LayerWeights(
+            self.input_norm,
             (fused(tuple(m.weight for m in self.qkv)), fused(tuple(m.bias for m in self.qkv))),
+            self.q_norm, self.k_norm,
             (get(self.o.weight), get(self.o.bias)),
+            self.post_norm,
             (fused(tuple(m.weight for m in self.gate_up)), fused(tuple(m.bias for m in self.gate_up))),
             (get(self.down.weight), get(self.down.bias)),
-        ]
+            self.scaling,
+        )
 
 
-def _rms_norm(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+def _norm(module: torch.nn.Module | None) -> _Norm | None:
+    return None if module is None else _Norm(module.weight, float(module.variance_epsilon))
+
+
+def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
     # Exactly the Hugging Face RMSNorm: statistics in float32, cast back, then scaled by the weight.
     x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * x32.to(x.dtype)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * x32.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _linear(x: torch.Tensor, weight: Linear, autocast: torch.dtype | None) -> torch.Tensor:
+    if autocast is not None:
+        x = x.to(autocast)
+    return F.linear(x, weight[0], weight[1])
+
+
+def _operand(x: torch.Tensor, dims: _Dims) -> torch.Tensor:
+    return x.to(dims.attn_dtype).to(torch.float32)
+
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: list[_LayerWeights], dims: _Dims,
+            attend: Attend) -> torch.Tensor:
+    """The decoder layers over `x` [B, S, hidden]; ``attend(layer, q, k, v, scaling)`` stores k/v and returns
+    [B, S, heads * head_dim]."""
+    batch, width = x.shape[0], x.shape[1]
+    heads, kv_heads = dims.heads, dims.kv_heads
+    for index, layer in enumerate(layers):
+        h = _rms_norm(x, layer.input_norm)
+        qkv = _linear(h, layer.qkv, dims.autocast).view(batch, width, heads + 2 * kv_heads, dims.head_dim)
+        if layer.q_norm is None:  # rotate q and k in one go
+            qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+        else:
+            q = _rotate(_rms_norm(qkv[:, :, :heads], layer.q_norm), cos, sin)
+            k = _rotate(_rms_norm(qkv[:, :, heads : heads + kv_heads], layer.k_norm), cos, sin)
+        v = qkv[:, :, heads + kv_heads :]
+        x = x + _linear(attend(index, q, k, v, layer.scaling), layer.o, dims.autocast)
+        h = _rms_norm(x, layer.post_norm)
+        gate, up = _linear(h, layer.gate_up, dims.autocast).chunk(2, dim=-1)
+        x = x + _linear(F.silu(gate) * up, layer.down, dims.autocast)
+    return x
+
+
+def _logits(hidden: torch.Tensor, norm: _Norm, head: Linear, dims: _Dims) -> torch.Tensor:
+    return _linear(_rms_norm(hidden, norm), head, dims.autocast).float()
+
+
+def _to_grid(x: torch.Tensor, caches: _DecodeCaches) -> torch.Tensor:
+    """[rows, kv_heads, group, F] -> [prompts, kv_heads, slots * group, F], zero where no row sits."""
+    prompts, slots = caches.prompts, caches.slots
+    grid = x.new_zeros(prompts * slots, *x.shape[1:])
+    grid.index_copy_(0, caches.grid_index, x)
+    grid = grid.view(prompts, slots, *x.shape[1:]).transpose(1, 2)
+    return grid.reshape(prompts, x.shape[1], slots * x.shape[2], x.shape[3])
+
+
+def _from_grid(grid: torch.Tensor, caches: _DecodeCaches, group: int) -> torch.Tensor:
+    prompts, slots = caches.prompts, caches.slots
+    kv_heads, features = grid.shape[1], grid.shape[-1]
+    grid = grid.view(prompts, kv_heads, slots, group, features).transpose(1, 2)
+    return grid.reshape(prompts * slots, kv_heads, group, features)[caches.grid_index]
+
+
+def _decode_step(ids: torch.Tensor, positions: torch.Tensor, length: int, embed: torch.Tensor,
+                 layers: list[_LayerWeights], final_norm: _Norm, head: Linear, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, caches: _DecodeCaches, dims: _Dims) -> torch.Tensor:
+    """One token per row ([rows, 1] ids at their positions): writes its k/v at column `length` of the caches
+    and returns the next token's logits [rows, vocab]. A pure function of its inputs (but for the cache
+    writes), so it can be compiled whole (`DecoderRunner(compile=True)`)."""
+    rows, kv_heads, group, head_dim = ids.shape[0], dims.kv_heads, dims.group, dims.head_dim
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        caches.keys[index][length] = k[:, 0].to(dims.attn_dtype)
+        caches.values[index][length] = v[:, 0].to(dims.attn_dtype)
+        q = _operand(q, dims).view(rows, kv_heads, group, head_dim)
+        prompt_keys = caches.prompt_keys[index].permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
+        own_keys = caches.keys[index][: length + 1].permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
+        prompt_scores = _from_grid(torch.matmul(_to_grid(q, caches), prompt_keys), caches, group) + caches.row_bias
+        scores = torch.cat([prompt_scores, torch.matmul(q, own_keys)], dim=-1).mul_(scaling)
+        weights = torch.softmax(scores, dim=-1)
+        width = prompt_keys.shape[-1]
+        own_values = caches.values[index][: length + 1].permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
+        out = torch.matmul(weights[..., width:], own_values)
+        prompt_values = caches.prompt_values[index].permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
+        out += _from_grid(torch.matmul(_to_grid(weights[..., :width], caches), prompt_values), caches, group)
+        return out.view(rows, 1, kv_heads * group * head_dim).to(dims.attn_dtype)
+
+    x = F.embedding(ids, embed)
+    cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # [rows, 1, 1, D]
+    hidden = _layers(x, cos, sin, layers, dims, attend)
+    return _logits(hidden[:, 0], final_norm, head, dims)
+
+
+_compiled_decode_step: Callable[..., torch.Tensor] | None = None
+
+
+def _compiled_step() -> Callable[..., torch.Tensor]:
+    """`_decode_step` under torch.compile, made once per process (dynamic shapes: rows, columns and prompts
+    change from step to step; one graph serves them)."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(_decode_step, dynamic=True)
+    return _compiled_decode_step
 
 
 class DecoderRunner:
@@ -139,7 +290,7 @@ class DecoderRunner:
     n times less KV memory and traffic. Dropping finished rows re-packs the grid (and the prompts left).
     """
 
-    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None, compile: bool = False):
         reason = fast_path_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -148,15 +299,17 @@ class DecoderRunner:
         self.body = model.model
         self.weights = _Weights(autocast)
         self.layers = [_Layer(layer, self.weights) for layer in self.body.layers]
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.group = self.num_heads // self.num_kv_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.autocast = autocast
-        self.device = self.body.embed_tokens.weight.device
-        self.param_dtype = self.body.embed_tokens.weight.dtype
+        self.final_norm = _norm(self.body.norm)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        param_dtype = self.body.embed_tokens.weight.dtype
         # What SDPA would see (bf16 under autocast): the operands are rounded to it before the float32 maths.
-        self.attn_dtype = autocast or self.param_dtype
+        self.dims = _Dims(num_heads, num_kv_heads, num_heads // num_kv_heads,
+                          getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+                          autocast, autocast or param_dtype)
+        self.device = self.body.embed_tokens.weight.device
+        self.param_dtype = param_dtype
+        self.step = _compiled_step() if compile else _decode_step
         self._rope_len = 0
         self.release()
 
@@ -169,43 +322,14 @@ class DecoderRunner:
         self.cos, self.sin = cos[0], sin[0]
         self._rope_len = capacity
 
-    # ---- the layer maths --------------------------------------------------------------------------
+    # ---- the layer maths (module-level functions, shared with the decode step) ------------------------
 
-    def _linear(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        if self.autocast is not None:
-            x = x.to(self.autocast)
-        return F.linear(x, weight[0], weight[1])
+    def _layer_weights(self) -> list[_LayerWeights]:
+        return [layer.resolve() for layer in self.layers]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder over `ids` [B, S]; ``attend(layer, q, k, v, scaling)`` stores k/v and returns [B, S, H*D]."""
-        batch, width = ids.shape
-        x = F.embedding(ids, self.body.embed_tokens.weight)
-        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, D]
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        for index, layer in enumerate(self.layers):
-            w_qkv, w_o, w_gate_up, w_down = layer.linears()
-            h = _rms_norm(x, layer.input_norm)
-            qkv = self._linear(h, w_qkv).view(batch, width, heads + 2 * kv_heads, self.head_dim)
-            if layer.q_norm is None:  # rotate q and k in one go
-                qk = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)
-                q, k = qk[:, :, :heads], qk[:, :, heads:]
-            else:
-                q = _rotate(_rms_norm(qkv[:, :, :heads], layer.q_norm), cos, sin)
-                k = _rotate(_rms_norm(qkv[:, :, heads : heads + kv_heads], layer.k_norm), cos, sin)
-            v = qkv[:, :, heads + kv_heads :]
-            x = x + self._linear(attend(index, q, k, v, layer.scaling), w_o)
-            h = _rms_norm(x, layer.post_norm)
-            gate, up = self._linear(h, w_gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, w_down)
-        return x
-
-    def _operand(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.attn_dtype).to(torch.float32)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = _rms_norm(hidden, self.body.norm)
+    def _head(self) -> Linear:
         head = self.model.lm_head
-        return self._linear(hidden, (self.weights.get(head.weight), self.weights.get(head.bias))).float()
+        return self.weights.get(head.weight), self.weights.get(head.bias)
 
     # ---- prefill: the prompts attend to themselves ------------------------------------------------------
 
@@ -226,24 +350,28 @@ class DecoderRunner:
         self.prompt_keys = [self._empty(width, len(prompts)) for _ in self.layers]
         self.prompt_values = [self._empty(width, len(prompts)) for _ in self.layers]
 
+        dims = self.dims
+
         def attend(index, q, k, v, scaling):
-            self.prompt_keys[index][:] = k.transpose(0, 1).to(self.attn_dtype)
-            self.prompt_values[index][:] = v.transpose(0, 1).to(self.attn_dtype)
+            self.prompt_keys[index][:] = k.transpose(0, 1).to(dims.attn_dtype)
+            self.prompt_values[index][:] = v.transpose(0, 1).to(dims.attn_dtype)
             keys = self.prompt_keys[index].permute(1, 2, 3, 0)  # [B, kv_heads, D, P]
             values = self.prompt_values[index].permute(1, 2, 0, 3)  # [B, kv_heads, P, D]
             batch, _, heads, head_dim = q.shape
             # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
-            q = self._operand(q).permute(0, 2, 1, 3).reshape(batch, self.num_kv_heads, self.group * width, head_dim)
+            q = _operand(q, dims).permute(0, 2, 1, 3).reshape(batch, dims.kv_heads, dims.group * width, head_dim)
             scores = torch.matmul(q, keys).mul_(scaling)
-            scores = scores.view(batch, self.num_kv_heads, self.group, width, width).masked_fill_(
+            scores = scores.view(batch, dims.kv_heads, dims.group, width, width).masked_fill_(
                 ~mask[:, :, None], float("-inf")
             )
-            weights = torch.softmax(scores.view(batch, self.num_kv_heads, -1, width), dim=-1)
+            weights = torch.softmax(scores.view(batch, dims.kv_heads, -1, width), dim=-1)
             out = torch.matmul(weights, values).view(batch, heads, width, head_dim)
-            return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(self.attn_dtype)
+            return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(dims.attn_dtype)
 
-        hidden = self._forward(ids, positions, attend)
-        logits = self._logits(hidden[:, -1])
+        x = F.embedding(ids, self.body.embed_tokens.weight)
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, D]
+        hidden = _layers(x, cos, sin, self._layer_weights(), dims, attend)
+        logits = _logits(hidden[:, -1], self.final_norm, self._head(), dims)
         rows_prompt = torch.arange(len(prompts), device=self.device).repeat_interleave(rows_per_prompt)
         self.prompt_bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
         self.keys = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]
@@ -254,48 +382,21 @@ class DecoderRunner:
         return logits[rows_prompt]
 
     def _empty(self, length: int, batch: int) -> torch.Tensor:
-        shape = (length, batch, self.num_kv_heads, self.head_dim)
+        shape = (length, batch, self.dims.kv_heads, self.dims.head_dim)
         return torch.empty(shape, dtype=torch.float32, device=self.device)  # holds attn_dtype-rounded values
 
     # ---- decode: one token per row, attending to its prompt (shared) and its own tokens ---------------
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; logits [rows, vocab] for the next one."""
-        hidden = self._forward(tokens[:, None], self.positions[:, None], self._attend_step)
+        caches = _DecodeCaches(self.keys, self.values, self.prompt_keys, self.prompt_values, self.grid_index,
+                               self.row_bias, *self.grid)
+        logits = self.step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
+                           self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches,
+                           self.dims)
         self.positions += 1
         self.length += 1
-        return self._logits(hidden[:, 0])
-
-    def _attend_step(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-        rows, kv_heads, group, head_dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        self.keys[index][self.length] = k[:, 0].to(self.attn_dtype)
-        self.values[index][self.length] = v[:, 0].to(self.attn_dtype)
-        q = self._operand(q).view(rows, kv_heads, group, head_dim)
-        prompt_keys = self.prompt_keys[index].permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
-        own_keys = self.keys[index][: self.length + 1].permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
-        prompt_scores = self._from_grid(torch.matmul(self._to_grid(q), prompt_keys)) + self.row_bias
-        scores = torch.cat([prompt_scores, torch.matmul(q, own_keys)], dim=-1).mul_(scaling)
-        weights = torch.softmax(scores, dim=-1)
-        width = prompt_keys.shape[-1]
-        own_values = self.values[index][: self.length + 1].permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
-        out = torch.matmul(weights[..., width:], own_values)
-        prompt_values = self.prompt_values[index].permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
-        out += self._from_grid(torch.matmul(self._to_grid(weights[..., :width]), prompt_values))
-        return out.view(rows, 1, kv_heads * group * head_dim).to(self.attn_dtype)
-
-    def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, kv_heads, group, F] -> [prompts, kv_heads, slots * group, F], zero where no row sits."""
-        prompts, slots = self.grid
-        grid = x.new_zeros(prompts * slots, *x.shape[1:])
-        grid.index_copy_(0, self.grid_index, x)
-        grid = grid.view(prompts, slots, *x.shape[1:]).transpose(1, 2)
-        return grid.reshape(prompts, x.shape[1], slots * x.shape[2], x.shape[3])
-
-    def _from_grid(self, grid: torch.Tensor) -> torch.Tensor:
-        prompts, slots = self.grid
-        kv_heads, features = grid.shape[1], grid.shape[-1]
-        grid = grid.view(prompts, kv_heads, slots, self.group, features).transpose(1, 2)
-        return grid.reshape(prompts * slots, kv_heads, self.group, features)[self.grid_index]
+        return logits
 
     def _regroup(self, rows_prompt: torch.Tensor) -> None:
         """Lay the rows (sorted by prompt) on the [prompts, slots] grid; drop prompts with no rows left."""
