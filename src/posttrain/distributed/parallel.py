@@ -9,7 +9,8 @@ parameters, else ``fsdp``):
   own `fully_shard` units, then the root. The head is a unit of its own because the RL and SFT losses call the
   decoder and the head separately (`posttrain.train.forward.selected_logits`); a tied head shares one unit with
   the decoder. Parameters are gathered per unit for its forward and backward; only the last micro-batch of a
-  step reduce-scatters (`_SyncLast`). Whole weights (for the engines, checkpoints) are one gather to rank 0.
+  step reduce-scatters (`_SyncLast`). Whole weights (for the engines, checkpoints) are gathered tensor by
+  tensor, every rank joining.
 * ``replicate``: every rank holds the whole model and its optimizer state; after a step's backward passes one
   all-reduce sums the gradients (`reduce_gradients`), and every rank takes the same optimizer step. No
   collective runs during forward or backward, and rank 0 has the whole weights without any. Measured with
