@@ -108,6 +108,43 @@ def test_auto_data_parallel_replicates_small_models_and_shards_big_ones(monkeypa
         parallel.data_parallel_mode("zero3", model)
 
 
+def _gather_rank(rank: int, world: int, port: int, results) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from posttrain.distributed.parallel import TorchDataParallel
+    from posttrain.models import build_tiny_model, train_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = train_tokenizer(["12+34=46 the quick brown fox"] * 20, vocab_size=301)  # rows not divisible by 3
+    model = build_tiny_model("tiny-1m", tokenizer, seed=0)
+    parallel = TorchDataParallel.start(rank, world, f"tcp://127.0.0.1:{port}", "cpu")
+    model = parallel.shard_model(model, "fsdp")
+    with torch.no_grad():
+        for parameter in model.parameters():  # shards that differ per rank and per row
+            parameter.to_local().add_(torch.arange(parameter.to_local().numel()).view_as(parameter.to_local())
+                                      * 1e-3 + rank)
+    expected = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                for name, t in model.state_dict().items()}
+    got = parallel.full_state_dict(model)
+    if rank == 0:
+        results.put(got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected))
+    parallel.close(finished=True)
+
+
+@pytest.mark.slow
+def test_the_sharded_weights_gather_in_one_collective_equals_full_tensor():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_gather_rank, args=(3, port, results), nprocs=3)  # 3 ranks: uneven and empty row shards
+    assert results.get() is True
+
+
 @pytest.mark.ray
 def test_placement_is_checked_before_anything_starts(ray_cluster, policy_dir, tmp_path):
     from posttrain.distributed import PlacementError, run_rl
