@@ -195,3 +195,20 @@ def test_an_alarm_rolls_back_to_the_last_good_checkpoint_and_lowers_the_lr(polic
             in capsys.readouterr().err.replace("\n", " "))
     logged = (tmp_path / "alarm" / "schedule_events.jsonl").read_text()
     assert '"kind": "rollback"' in logged
+
+
+def test_a_rollback_lowers_the_critic_s_learning_rate_too(policy_dir, tmp_path):
+    config = recipe(policy_dir, tmp_path / "ppo", train={"max_steps": 6, "save_every": 2},
+                    optim={"schedule": "constant"}, algorithm={"advantage": "gae"},
+                    schedule={"dynamic_sampling": {"mode": "keep"},
+                              "alarms": {"action": "rollback", "warmup_steps": 2, "spike_z": 0.0,
+                                         "max_rollbacks": 1, "lr_decay": 0.5}})
+    result = run_rl(config)
+    rollback = next(e for e in result.events if e["kind"] == "rollback")
+    versions = [int(m["policy/version"]) for m in result.history]
+    again = next(i for i in range(1, len(versions)) if versions[i] <= versions[i - 1])
+    assert versions[again] == rollback["to_step"]
+    base = result.history[0]["critic/lr"]
+    assert all(m["critic/lr"] == base for m in result.history[:again])
+    assert all(m["critic/lr"] == base * 0.5 for m in result.history[again:])
+    assert all(m["train/lr"] == 5e-4 for m in result.history[again:])

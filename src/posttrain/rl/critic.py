@@ -28,6 +28,7 @@ import torch
 
 from posttrain.config.rl import RLRecipe
 from posttrain.models import ModelError, is_lora, merged_copy
+from posttrain.rl.guarding import set_lr_scale
 from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.step import collate_trajectories, mini_batches
 from posttrain.train.dpo import disable_dropout
@@ -47,6 +48,11 @@ class Critic:
         self.optimizer = build_optimizer(model, self.config.optim)
         self.scheduler = build_scheduler(self.optimizer, self.config.optim,
                                          recipe.train.max_steps * recipe.train.updates_per_batch)
+        self.base_lrs = list(self.scheduler.base_lrs)
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The guard's rollbacks lower the critic's learning rate with the policy's."""
+        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
 
     @torch.no_grad()
     def values(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:

@@ -295,7 +295,7 @@ def _roll_back(run: _Run, cursor: _Cursor, events_log) -> _Cursor:
     target, target_step = run.guard.rollback_target(run.output_dir)
     _report_events([run.guard.begin_rollback(cursor.step, target_step)], events_log)
     if target is None:
-        run.policy.set_lr_scale(run.guard.lr_scale)
+        _scale_lr(run)
         return cursor
     run.pipeline.close()
     # The checkpoint's pending batches are dropped: trained again from the same weights they would repeat the
@@ -307,6 +307,13 @@ def _roll_back(run: _Run, cursor: _Cursor, events_log) -> _Cursor:
     return restored
 
 
+def _scale_lr(run: _Run) -> None:
+    """The guard's learning-rate scale on the policy and, with PPO, the critic."""
+    run.policy.set_lr_scale(run.guard.lr_scale)
+    if run.critic is not None:
+        run.critic.set_lr_scale(run.guard.lr_scale)
+
+
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
     state = load_training_state(checkpoint)
     run.policy.load_checkpoint(checkpoint, state)
@@ -316,7 +323,7 @@ def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tupl
     if "guard" in state:
         run.guard.load_state_dict(state["guard"], keep_history=keep_history)
     if run.guard.lr_scale != 1.0:
-        run.policy.set_lr_scale(run.guard.lr_scale)
+        _scale_lr(run)
     restore_rng(state["rng"])
     return _Cursor(**state["cursor"]), [RolloutBatch.from_dict(b) for b in state["pending"]]
 
