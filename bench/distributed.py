@@ -4,8 +4,9 @@
 
 Same recipe, same model, same total cores (``--cores``): the local backend runs in this process with that many
 torch threads; the Ray backend runs ``--cores`` rollout workers and ``--cores`` trainer ranks with one thread
-each (``cluster.data_parallel: auto``, which replicates a model this small, and again with ``fsdp``), on a private Ray instance with ``--cores`` CPUs (the workers and ranks take turns, as the local
-run's rollout and training do: ``max_staleness: 0``). Each run takes ``--steps`` RL steps on the arithmetic
+each (``cluster.data_parallel: auto``, which replicates a model this small, and again with ``fsdp``), on a
+private Ray instance with ``--cores`` CPUs (the workers and ranks take turns, as the local run's rollout and
+training do: ``max_staleness: 0``). Each run takes ``--steps`` RL steps on the arithmetic
 domain (8 prompts x 8 samples, up to 32 new tokens); steps/s are measured between the end of step 2 and the end of
 the last step (start-up and warm-up left out). Runs alternate local, Ray, local, ... and the figures are medians
 over ``--rounds`` (the machine is shared: single runs are noisy).
@@ -108,8 +109,8 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     local, distributed = statistics.median(figures["local"]), statistics.median(figures["ray"])
     sharded = statistics.median(figures["ray_fsdp"])
-    per_phase = {backend: {key: round(statistics.median(run[key] for run in runs), 4) for key in runs[0]}
-                 for backend, runs in phases.items()}
+    per_phase = {name: {key: round(statistics.median(run[key] for run in measured), 4) for key in measured[0]}
+                 for name, measured in phases.items()}
     print(json.dumps({
         "bench": "distributed", "preset": args.preset, "cores": args.cores, "steps": args.steps,
         "local_steps_per_s": round(local, 4), "ray_steps_per_s": round(distributed, 4),

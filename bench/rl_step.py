@@ -124,7 +124,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure posttrain with runtime.compile (the decoder under torch.compile)")
+                        help="also measure runtime.compile (posttrain: the trainer's decoder and the engine's decode step "
+                             "compiled; TRL: its torch_compile)")
     args = parser.parse_args()
 
     import torch

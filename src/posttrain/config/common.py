@@ -94,7 +94,7 @@ class ClusterConfig(Section):
     address: str | None = None
     local_cpus: int | None = Field(None, gt=0)  # CPUs of the private instance (default: all of them)
     num_rollout_workers: int = Field(2, gt=0)  # engine actors, each with its own copy of the weights (RL)
-    num_trainer_workers: int = Field(1, gt=0)  # FSDP ranks
+    num_trainer_workers: int = Field(1, gt=0)  # data-parallel trainer ranks (`data_parallel`)
     # How the trainer ranks split the model (torchrun SFT reads it too). "fsdp": parameters, gradients and
     # optimizer state sharded with FSDP2, one unit per decoder layer (the least memory: for big models).
     # "replicate": every rank holds the whole model and optimizer, and one all-reduce per step sums the

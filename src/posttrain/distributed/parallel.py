@@ -58,6 +58,12 @@ def data_parallel_mode(mode: str, model: torch.nn.Module) -> str:
     return "replicate" if size < REPLICATE_BYTES else "fsdp"
 
 
+def _row_sharded(tensor: torch.Tensor) -> bool:
+    """FSDP2's default placement: cut by rows over a one-dimensional mesh."""
+    return (isinstance(tensor, DTensor) and tensor.ndim > 0 and tensor.device_mesh.ndim == 1
+            and tuple(tensor.placements) == (Shard(0),))
+
+
 class TorchDataParallel:
     """This process's rank in a data-parallel group; implements `rl.step.DataShard` and `train.sft.DataParallel`."""
 
@@ -93,6 +99,12 @@ class TorchDataParallel:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return cls.start(int(os.environ["RANK"]), world_size, "env://", device)
+
+    def __enter__(self) -> TorchDataParallel:
+        return self
+
+    def __exit__(self, kind, *_: object) -> None:
+        self.close(finished=kind is None)  # a rank that got through its work waits for the others
 
     def close(self, *, finished: bool = False) -> None:
         """Leave the group. `finished` (every rank got through its work): meet at a barrier first, so no rank
@@ -165,12 +177,11 @@ class TorchDataParallel:
             return ({name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
                     if self.rank == 0 else None)
         entries = model.state_dict()
-        rows_sharded = [name for name, tensor in entries.items() if self._row_sharded(tensor)]
-        gathered = self._gather_rows([entries[name] for name in rows_sharded])
-        whole = dict(zip(rows_sharded, gathered)) if gathered is not None else {}
+        rows = {name: tensor for name, tensor in entries.items() if _row_sharded(tensor)}
+        whole = self._gather_rows(rows)  # empty but on rank 0
         state = {}
         for name, tensor in entries.items():
-            if name in rows_sharded:
+            if name in rows:
                 tensor = whole.get(name)
             elif isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()  # another placement: its own collective
@@ -178,46 +189,36 @@ class TorchDataParallel:
                 state[name] = tensor.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
 
-    def _row_sharded(self, tensor: torch.Tensor) -> bool:
-        return (isinstance(tensor, DTensor) and tensor.ndim > 0 and tensor.device_mesh.ndim == 1
-                and tuple(tensor.placements) == (Shard(0),))
-
-    def _gather_rows(self, tensors: list[DTensor]) -> list[torch.Tensor] | None:
-        """Whole tensors on rank 0 from FSDP's row shards, in one gather per dtype (not one per tensor).
+    def _gather_rows(self, tensors: dict[str, DTensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors on rank 0 (nothing elsewhere) from FSDP's row shards, in one gather per dtype.
 
         A tensor of N rows is cut like ``torch.chunk``: rank r holds rows [r * c, min(N, (r + 1) * c)) with
         c = ceil(N / world). Each rank packs its rows into a buffer of fixed slots (c rows per tensor, zero
         padded), rank 0 receives every rank's buffer and cuts the rows back out."""
-        world = self.world_size
-        pieces: list[torch.Tensor | None] = [None] * len(tensors)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(index)
-        for dtype, indices in by_dtype.items():
-            slots, offset = [], 0
-            for index in indices:
-                tensor = tensors[index]
-                row = math.prod(tensor.shape[1:])
-                chunk = math.ceil(tensor.shape[0] / world)
-                slots.append((offset, chunk, row))
-                offset += chunk * row
-            local = tensors[indices[0]].to_local()
-            flat = torch.zeros(offset, dtype=dtype, device=local.device)
-            for index, (start, _, _) in zip(indices, slots):
-                shard = tensors[index].to_local().detach().reshape(-1)
+        world, whole = self.world_size, {}
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, tensor in tensors.items():
+            by_dtype.setdefault(tensor.dtype, []).append(name)
+        for dtype, names in by_dtype.items():
+            slots, offset = {}, 0
+            for name in names:
+                slots[name] = offset
+                offset += math.ceil(tensors[name].shape[0] / world) * math.prod(tensors[name].shape[1:])
+            flat = torch.zeros(offset, dtype=dtype, device=tensors[names[0]].to_local().device)
+            for name, start in slots.items():
+                shard = tensors[name].to_local().detach().reshape(-1)
                 flat[start : start + shard.numel()] = shard
             received = [torch.empty_like(flat) for _ in range(world)] if self.rank == 0 else None
             dist.gather(flat, received, dst=0)
             if self.rank != 0:
                 continue
-            for index, (start, chunk, row) in zip(indices, slots):
-                tensor = tensors[index]
-                parts = []
-                for rank in range(world):
-                    rows = max(0, min(tensor.shape[0], (rank + 1) * chunk) - rank * chunk)
-                    parts.append(received[rank][start : start + rows * row])
-                pieces[index] = torch.cat(parts).view(tensor.shape)
-        return pieces if self.rank == 0 else None
+            for name, start in slots.items():
+                shape = tensors[name].shape
+                chunk, row = math.ceil(shape[0] / world), math.prod(shape[1:])
+                parts = [received[rank][start : start + max(0, min(shape[0], (rank + 1) * chunk) - rank * chunk) * row]
+                         for rank in range(world)]
+                whole[name] = torch.cat(parts).view(shape)
+        return whole
 
     def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Copy whole tensors into the sharded model (each rank keeps its own shard; no communication)."""

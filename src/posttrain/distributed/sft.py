@@ -11,9 +11,7 @@ filesystem every node sees.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import Callable
 
 from posttrain.config.sft import SFTRecipe
 from posttrain.distributed.parallel import TorchDataParallel
@@ -28,13 +26,9 @@ def run_sft(recipe: SFTRecipe, *, resume: bool = False,
     ``cluster.backend: ray``, else in this process. Returns rank 0's result (None on other torchrun ranks)."""
     parallel = TorchDataParallel.from_env(resolve_device(recipe.runtime))
     if parallel is not None:
-        finished = False
-        try:
+        with parallel:
             result = run_sft_local(recipe, resume=resume, on_step=on_step, parallel=parallel)
-            finished = True
-            return result if parallel.rank == 0 else None
-        finally:
-            parallel.close(finished=finished)
+        return result if parallel.rank == 0 else None
     if recipe.cluster.backend == "ray":
         from posttrain.distributed.cluster import ray_session
         from posttrain.distributed.trainer import run_sft_group
@@ -42,17 +36,3 @@ def run_sft(recipe: SFTRecipe, *, resume: bool = False,
         with ray_session(recipe.cluster):
             return run_sft_group(recipe, resume=resume, on_step=on_step)
     return run_sft_local(recipe, resume=resume, on_step=on_step)
-
-
-def sft_rank(recipe: SFTRecipe, rank: int, world_size: int, init_method: str, device: Any, threads: int,
-             resume: bool, on_step) -> SFTResult | None:
-    """What one Ray trainer actor runs: join the group, train its share, leave."""
-    torch.set_num_threads(threads)
-    parallel = TorchDataParallel.start(rank, world_size, init_method, device)
-    finished = False
-    try:
-        result = run_sft_local(recipe, resume=resume, on_step=on_step, parallel=parallel)
-        finished = True
-        return result if rank == 0 else None
-    finally:
-        parallel.close(finished=finished)

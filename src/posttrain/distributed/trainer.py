@@ -107,11 +107,9 @@ class TrainerRank:
         self._join(init_method)
         recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(
             update={"device": self.device.type, "num_threads": None})})
-        try:
+        with self.parallel:
             result = run_sft(recipe, resume=resume, on_step=on_step, parallel=self.parallel)
-            return result if self.rank == 0 else None
-        finally:
-            self.parallel.close()
+        return result if self.rank == 0 else None
 
 
 def start_ranks(cluster: ClusterConfig, placement: Placement, name_prefix: str = "posttrain") -> list[Any]:

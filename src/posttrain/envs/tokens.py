@@ -9,9 +9,9 @@ The sequence the trainer scores is built by appending, never by re-rendering:
   (``loss_mask`` 0). If the policy's turn stopped short of the template's end of turn (a stop string instead of
   eos, or a template that writes a newline after eos), the missing closing text is prepended to the delta.
 
-The prompt's ids are cached per tokenizer (keyed by the messages, tools, template arguments and the template
-itself): the members of a GRPO group share their prompt, and rendering a chat template is the costly part of
-starting an episode.
+The prompt's ids are cached per tokenizer (keyed by the messages, tools and template arguments; emptied when the
+tokenizer's chat template changes): the members of a GRPO group share their prompt, and rendering a chat template
+is the costly part of starting an episode.
 
 So the policy's text is never tokenized again, and for a prefix-stable template decoding the sequence gives the
 template's rendering of the transcript. A template that rewrites earlier turns when a message is added (so the
@@ -30,7 +30,9 @@ from posttrain.envs.base import EnvError
 from posttrain.types import Completion, Message
 
 _PROMPT_CACHE_SIZE = 4096  # prompts per tokenizer
-_prompt_caches: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+# tokenizer -> (the chat template rendered with, prompt key -> ids)
+_prompt_caches: weakref.WeakKeyDictionary[Any, tuple[Any, OrderedDict[str, tuple[int, ...]]]] = (
+    weakref.WeakKeyDictionary())
 _prompt_lock = threading.Lock()
 
 
@@ -51,23 +53,24 @@ class TranscriptTokens:
 
     def _prompt_ids(self) -> list[int]:
         """The rendered prompt's ids, from the tokenizer's cache when this prompt was seen before."""
+        template = getattr(self.tokenizer, "chat_template", None)
         try:
-            key = json.dumps([self.messages, self.tools, self.template_kwargs,
-                              getattr(self.tokenizer, "chat_template", None)], sort_keys=True)
+            key = json.dumps([self.messages, self.tools, self.template_kwargs], sort_keys=True)
             with _prompt_lock:
-                cache = _prompt_caches.setdefault(self.tokenizer, OrderedDict())
+                cached = _prompt_caches.get(self.tokenizer)
+                if cached is None or cached[0] != template:  # new, or the template changed: renderings are stale
+                    cached = _prompt_caches[self.tokenizer] = (template, OrderedDict())
+                ids = cached[1].get(key)
+                if ids is not None:
+                    cached[1].move_to_end(key)
+                    return list(ids)
         except TypeError:  # a message or template argument JSON cannot hold, or a tokenizer without weak refs
             return self._encode(self.render(self.messages, generation_prompt=True))
-        with _prompt_lock:
-            ids = cache.get(key)
-            if ids is not None:
-                cache.move_to_end(key)
-                return list(ids)
         ids = tuple(self._encode(self.render(self.messages, generation_prompt=True)))
         with _prompt_lock:
-            cache[key] = ids
-            if len(cache) > _PROMPT_CACHE_SIZE:
-                cache.popitem(last=False)
+            cached[1][key] = ids
+            if len(cached[1]) > _PROMPT_CACHE_SIZE:
+                cached[1].popitem(last=False)
         return list(ids)
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:

@@ -151,15 +151,14 @@ def rl_update(
     if not trajectories:
         return {}
     model.train()
-    order = longest_first(trajectories)
     minis = mini_batches(trajectories, updates_per_batch)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     proximal = None
     if config.old_policy == "proximal" and updates_per_batch > 1:
         # With one update per batch the trainer's log-probs before the update are those of the loss forward.
-        proximal = _proximal_logprobs(model, trajectories, advantages, order, runtime, pad_id, temperature,
-                                      micro_batch_size)
+        proximal = _proximal_logprobs(model, trajectories, advantages, longest_first(trajectories), runtime,
+                                      pad_id, temperature, micro_batch_size)
     for mini in minis:
         if not mini:
             continue

@@ -156,10 +156,9 @@ class HFEngine:
         self._version = policy_version
         self._lock = threading.Lock()
         self.stats = EngineStats()
-        self.compile = compile
-        self._runner = self._make_runner(runner)
+        self._runner = self._make_runner(runner, compile)
 
-    def _make_runner(self, choice: str) -> DecoderRunner | GenericRunner:
+    def _make_runner(self, choice: str, compile: bool) -> DecoderRunner | GenericRunner:
         reason = fast_path_unsupported(self.model)
         if choice == "fast" and reason is not None:
             raise RolloutError(f"HFEngine(runner='fast'): {reason}; use runner='auto' or 'generic'")
@@ -167,7 +166,7 @@ class HFEngine:
             if choice == "auto":
                 log.info("HFEngine: generic runner (%s)", reason)
             return GenericRunner(self.model, self.autocast)
-        return DecoderRunner(self.model, self.autocast, compile=self.compile)
+        return DecoderRunner(self.model, self.autocast, compile=compile)
 
     @property
     def policy_version(self) -> int:

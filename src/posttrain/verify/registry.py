@@ -141,10 +141,10 @@ def check_verifier_args(name: str, verifier_args: dict[str, Any]) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _parameters(fn: Callable[..., Reward]) -> tuple[inspect.Signature, list[str], bool]:
+def _parameters(fn: Callable[..., Reward]) -> tuple[inspect.Signature, tuple[str, ...], bool]:
     """`fn`'s signature, the verifier arguments it takes, and whether it takes any (``**kwargs``)."""
     signature = inspect.signature(fn)
-    takes = [p for p in list(signature.parameters)[1:] if p != "final_state"]
+    takes = tuple(p for p in list(signature.parameters)[1:] if p != "final_state")
     return signature, takes, any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
 
 
