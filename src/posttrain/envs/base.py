@@ -27,6 +27,10 @@ class EnvError(PosttrainError):
     """An unknown environment or tool, or a task whose env spec cannot be run."""
 
 
+class ToolError(Exception):
+    """The call failed for a reason the model caused; the message becomes the error observation."""
+
+
 class ToolInfraError(Exception):
     """A tool could not run for reasons that are not the model's (the sandbox failed to start ...).
 

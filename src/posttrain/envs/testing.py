@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.envs.base import ToolError
+from posttrain.envs.sandboxing import run_in_sandbox
+
 RUNNER_NAME = "_posttrain_run_tests.py"
 
 RUNNER_SOURCE = r'''
@@ -55,9 +58,6 @@ class TestReport:
 
 async def run_project_tests(files: dict[str, str], sandbox: Any, options: dict[str, Any]) -> TestReport:
     """Run the workspace's tests in `sandbox`; a timeout or crash is the model's `ToolError`."""
-    from posttrain.envs.sandboxing import run_in_sandbox
-    from posttrain.envs.tools import ToolError
-
     timeout_s = float(options.get("test_timeout_s", 10.0))
     result = await run_in_sandbox(sandbox, RUNNER_NAME, files={**files, RUNNER_NAME: RUNNER_SOURCE},
                                   timeout_s=timeout_s)

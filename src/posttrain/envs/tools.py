@@ -20,16 +20,13 @@ from typing import Any, Awaitable, Callable
 
 import jsonschema
 
-from posttrain.envs.base import EnvError
+from posttrain.envs.base import EnvError, ToolError
 from posttrain.envs.calculator import CalculatorError, evaluate
+from posttrain.envs.testing import run_project_tests
 from posttrain.envs.workspace import Workspace, WorkspaceError
 from posttrain.types import Task
 
 MAX_OBSERVATION_CHARS = 4000
-
-
-class ToolError(Exception):
-    """The call failed for a reason the model caused; the message becomes the error observation."""
 
 
 @dataclass
@@ -154,7 +151,5 @@ def write_file(ctx: ToolContext, path: str, content: str) -> str:
 
 @tool("run_tests", "Run the project's tests and show which pass and which fail.")
 async def run_tests(ctx: ToolContext) -> str:
-    from posttrain.envs.testing import run_project_tests
-
     report = await run_project_tests(ctx.workspace.snapshot(), ctx.sandbox, ctx.options)
     return report.text
