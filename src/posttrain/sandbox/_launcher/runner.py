@@ -17,6 +17,7 @@ Standard library only; the launcher imports this by file path.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import resource
 import select
@@ -170,6 +171,14 @@ class _Supervision:
             self._kill("output")
         return True
 
+    def init_pid(self) -> int:
+        """The host pid of bubblewrap's init (pid 1 of the jail), from its info report; 0 if unknown."""
+        try:
+            pid = json.loads(bytes(self.info)).get("child-pid", 0)
+        except (ValueError, AttributeError):
+            return 0
+        return pid if type(pid) is int else 0
+
     def watch(self) -> None:
         poller = select.poll()
         open_fds = {self.out_r, self.err_r, self.info_r}
@@ -205,9 +214,26 @@ class _Supervision:
         os.close(self.pidfd)
 
 
-def _reap_all(cgroups, deadline_s: float = 2.0) -> bool:
-    """Reap every orphan this subreaper inherited; True once nothing of the run is left."""
+def _await_exit(pid: int, deadline_s: float) -> None:
+    """Wait (without polling) until process `pid` has exited, or the deadline passed."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return  # already gone
+    try:
+        select.select([pidfd], [], [], deadline_s)
+    finally:
+        os.close(pidfd)
+
+
+def _reap_all(cgroups, deadline_s: float = 2.0, init_pid: int = 0) -> bool:
+    """Reap every orphan this subreaper inherited; True once nothing of the run is left. bubblewrap's monitor
+    exits as soon as its init reports the program's exit status, often while that init is still tearing the
+    jail's namespaces down (a quarter of the runs, measured): with `init_pid`, that exit is awaited exactly
+    instead of by polling the cgroup."""
     end = time.monotonic() + deadline_s
+    if init_pid > 0:
+        _await_exit(init_pid, deadline_s)
     while True:
         try:
             while True:
@@ -385,7 +411,7 @@ def _supervise(slot: Slot, request: dict, limits: dict, root: str, control_fd: i
                        marks)
     sup.watch()
     duration = (sup.exited_at or time.monotonic()) - started
-    clean = _reap_all(slot.cgroups)
+    clean = _reap_all(slot.cgroups, init_pid=sup.init_pid())
     marks["reaped"] = time.perf_counter()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (usage.ru_utime - before.usage.ru_utime) + (usage.ru_stime - before.usage.ru_stime)

@@ -8,7 +8,7 @@ one by one and remounting / and /dev read-only per run cost more than the rest o
 network namespace per run costs its set-up plus a kernel worker's tear-down. So each launcher prepares once:
 
 * the **jail root**: a tmpfs holding /etc (copies of the few files programs need), /dev (the six device nodes,
-  bound, and the usual links), the merged-/usr links and empty mount points (/proc, /tmp, /sandbox, /dev/shm),
+  made with the host's numbers, and the usual links), the merged-/usr links and empty mount points (/proc, /tmp, /sandbox, /dev/shm),
   with the host's /usr bound inside; then every mount of it is made read-only (`seal`). A jail binds it as its
   `/` in one step and mounts only what is fresh per run on top (its /proc, /tmp, /dev/shm, the work dir).
   Nothing in it can be changed from a jail - every mount is read-only, and a jail can neither remount (the
@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import struct
 
 import jail as jail_args
@@ -103,8 +104,8 @@ class Slot:
         os.mkdir(self.staging, 0o711)
         syscalls.mount("posttrain-staging", self.staging, "tmpfs", syscalls.MS_NOSUID, "size=16m,mode=0711")
         os.mkdir(self.root, 0o755)
-        syscalls.mount("posttrain-jail-root", self.root, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                       "size=16m,mode=0755")
+        # not nodev: it holds the jail's device nodes, made here; nothing can create others in it (read-only)
+        syscalls.mount("posttrain-jail-root", self.root, "tmpfs", syscalls.MS_NOSUID, "size=16m,mode=0755")
         os.mkdir(self.etc_dir, 0o755)
         for name in jail_args.etc_entries():
             source, target = os.path.join("/etc", name), os.path.join(self.etc_dir, name)
@@ -129,25 +130,30 @@ class Slot:
                 syscalls.mount(path, os.path.join(self.root, name), None, syscalls.MS_BIND | syscalls.MS_REC)
         for name in _DEVICES:
             target = os.path.join(self.dev_dir, name)
-            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o666))
-            syscalls.mount("/dev/" + name, target, None, syscalls.MS_BIND)
+            host = os.stat("/dev/" + name)
+            try:  # a node of our own: one mount fewer for every jail to copy than a bind of the host's
+                os.mknod(target, stat.S_IFCHR | stat.S_IMODE(host.st_mode), host.st_rdev)
+            except OSError:  # no CAP_MKNOD (a launcher without root): bind the host's node
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o666))
+                syscalls.mount("/dev/" + name, target, None, syscalls.MS_BIND)
         for name, link in _DEV_LINKS.items():
             os.symlink(link, os.path.join(self.dev_dir, name))
         self.seal()
 
     def seal(self, writable: bool = False) -> None:
-        """Make every mount of the jail root read-only (nosuid; nodev except the device nodes). With
-        `writable`, only the root's own tmpfs becomes writable again, for the launcher to add a mount point
-        between runs."""
-        root_flags = syscalls.MS_NOSUID | syscalls.MS_NODEV | (0 if writable else syscalls.MS_RDONLY)
+        """Make every mount of the jail root read-only and nosuid, and nodev but for the root's own tmpfs (its
+        device nodes) and device nodes bound from the host. With `writable`, only the root's own tmpfs becomes
+        writable again, for the launcher to add a mount point between runs."""
+        ro = 0 if writable else syscalls.MS_RDONLY
         if writable:
-            syscalls.remount(self.root, root_flags)
+            syscalls.remount(self.root, syscalls.MS_NOSUID | ro)
             return
         dev_prefix = self.dev_dir + "/"
         for point, _ in mounts():
-            if point == self.root or point.startswith(self.root + "/"):
-                flags = root_flags & ~syscalls.MS_NODEV if point.startswith(dev_prefix) else root_flags
-                syscalls.remount(point, flags)
+            if point == self.root or point.startswith(dev_prefix):
+                syscalls.remount(point, syscalls.MS_NOSUID | ro)
+            elif point.startswith(self.root + "/"):
+                syscalls.remount(point, syscalls.MS_NOSUID | syscalls.MS_NODEV | ro)
 
     def stage(self, path: str) -> str:
         """Bind-mount `path` (once per launcher) into the staging area, which the slot's uid can traverse, so
