@@ -226,7 +226,7 @@ def _await_exit(pid: int, deadline_s: float) -> None:
         os.close(pidfd)
 
 
-def _reap_all(cgroups, deadline_s: float = 2.0, init_pid: int = 0) -> bool:
+def _reap_all(cgroups, deadline_s: float = 2.0, init_pid: int = 0, marks: dict | None = None) -> bool:
     """Reap every orphan this subreaper inherited; True once nothing of the run is left. bubblewrap's monitor
     exits as soon as its init reports the program's exit status, often while that init is still tearing the
     jail's namespaces down (a quarter of the runs, measured): with `init_pid`, that exit is awaited exactly
@@ -234,6 +234,8 @@ def _reap_all(cgroups, deadline_s: float = 2.0, init_pid: int = 0) -> bool:
     end = time.monotonic() + deadline_s
     if init_pid > 0:
         _await_exit(init_pid, deadline_s)
+        if marks is not None:
+            marks["init_exited"] = time.perf_counter()
     while True:
         try:
             while True:
@@ -411,7 +413,8 @@ def _supervise(slot: Slot, request: dict, limits: dict, root: str, control_fd: i
                        marks)
     sup.watch()
     duration = (sup.exited_at or time.monotonic()) - started
-    clean = _reap_all(slot.cgroups, init_pid=sup.init_pid())
+    marks["watched"] = time.perf_counter()
+    clean = _reap_all(slot.cgroups, init_pid=sup.init_pid(), marks=marks)
     marks["reaped"] = time.perf_counter()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (usage.ru_utime - before.usage.ru_utime) + (usage.ru_stime - before.usage.ru_stime)

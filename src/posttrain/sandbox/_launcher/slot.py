@@ -132,7 +132,8 @@ class Slot:
             target = os.path.join(self.dev_dir, name)
             host = os.stat("/dev/" + name)
             try:  # a node of our own: one mount fewer for every jail to copy than a bind of the host's
-                os.mknod(target, stat.S_IFCHR | stat.S_IMODE(host.st_mode), host.st_rdev)
+                os.mknod(target, stat.S_IFCHR | 0o600, host.st_rdev)
+                os.chmod(target, stat.S_IMODE(host.st_mode))  # the host's mode, whatever our umask
             except OSError:  # no CAP_MKNOD (a launcher without root): bind the host's node
                 os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o666))
                 syscalls.mount("/dev/" + name, target, None, syscalls.MS_BIND)
