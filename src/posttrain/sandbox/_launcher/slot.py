@@ -49,13 +49,20 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mounts() -> list[tuple[str, str]]:
-    """(mount point, fs type) of every mount in this mount namespace, parents before children."""
+_MOUNT_FLAGS = {"ro": syscalls.MS_RDONLY, "nosuid": syscalls.MS_NOSUID, "nodev": syscalls.MS_NODEV,
+                "noexec": syscalls.MS_NOEXEC, "noatime": syscalls.MS_NOATIME, "nodiratime": syscalls.MS_NODIRATIME,
+                "relatime": syscalls.MS_RELATIME}
+
+
+def mounts() -> list[tuple[str, str, int]]:
+    """(mount point, fs type, per-mount flags) of every mount in this namespace, parents before children."""
     found = []
     with open("/proc/self/mountinfo") as handle:
         for line in handle:
             left, _, right = line.partition(" - ")
-            found.append((_unescape(left.split()[4]), right.split()[0]))
+            fields = left.split()
+            flags = sum(_MOUNT_FLAGS.get(option, 0) for option in set(fields[5].split(",")))
+            found.append((_unescape(fields[4]), right.split()[0], flags))
     return found
 
 
@@ -64,7 +71,7 @@ def prune_mounts(keep: list[str]) -> int:
     needs (other cgroup hierarchies, devpts, mqueue, debugfs ...; never a mount above a path in `keep`).
     Every jail copies and re-reads this namespace's mount table several times, so each mount costs every run."""
     removed = 0
-    for point, fstype in reversed(mounts()):
+    for point, fstype, _ in reversed(mounts()):
         if fstype in _PRUNED_FS and not any(k == point or k.startswith(point.rstrip("/") + "/") for k in keep):
             try:
                 syscalls.umount(point)
@@ -143,18 +150,18 @@ class Slot:
 
     def seal(self, writable: bool = False) -> None:
         """Make every mount of the jail root read-only and nosuid, and nodev but for the root's own tmpfs (its
-        device nodes) and device nodes bound from the host. With `writable`, only the root's own tmpfs becomes
-        writable again, for the launcher to add a mount point between runs."""
-        ro = 0 if writable else syscalls.MS_RDONLY
-        if writable:
-            syscalls.remount(self.root, syscalls.MS_NOSUID | ro)
-            return
-        dev_prefix = self.dev_dir + "/"
-        for point, _ in mounts():
-            if point == self.root or point.startswith(dev_prefix):
-                syscalls.remount(point, syscalls.MS_NOSUID | ro)
+        device nodes) and device nodes bound from the host; flags a mount already has are kept (in a user
+        namespace, a launcher without root may not drop the atime flags of the host's /usr). With `writable`,
+        only the root's own tmpfs becomes writable again, for the launcher to add a mount point between runs."""
+        for point, _, flags in mounts():
+            if point == self.root and writable:
+                syscalls.remount(point, (flags | syscalls.MS_NOSUID) & ~syscalls.MS_RDONLY)
+            elif writable:
+                continue
+            elif point == self.root or point.startswith(self.dev_dir + "/"):
+                syscalls.remount(point, flags | syscalls.MS_NOSUID | syscalls.MS_RDONLY)
             elif point.startswith(self.root + "/"):
-                syscalls.remount(point, syscalls.MS_NOSUID | syscalls.MS_NODEV | ro)
+                syscalls.remount(point, flags | syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_RDONLY)
 
     def stage(self, path: str) -> str:
         """Bind-mount `path` (once per launcher) into the staging area, which the slot's uid can traverse, so
