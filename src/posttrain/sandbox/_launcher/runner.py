@@ -215,13 +215,18 @@ class _Supervision:
 
 
 def _await_exit(pid: int, deadline_s: float) -> None:
-    """Wait (without polling) until process `pid` has exited, or the deadline passed."""
+    """Wait (without polling) until process `pid`, an orphan of ours, has exited, or the deadline passed."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
-        return  # already gone
+        return  # already gone (its parent, bubblewrap's monitor, reaped it)
     try:
-        select.select([pidfd], [], [], deadline_s)
+        with open(f"/proc/{pid}/stat", "rb") as handle:  # the pidfd pins the process this pid names now
+            parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
+        if parent == os.getpid():  # not a stranger that got the pid after the monitor reaped its init
+            select.select([pidfd], [], [], deadline_s)
+    except (OSError, ValueError, IndexError):
+        pass
     finally:
         os.close(pidfd)
 
