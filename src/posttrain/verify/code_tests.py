@@ -13,8 +13,8 @@ For the first two, only the inputs enter the sandbox: expected outputs never do.
 Each case may run for ``timeout_s``; once one has timed out, the cases after it share ``after_timeout_s``
 seconds in all and fail unrun once that is spent (``"skipped: time budget spent"`` in details), so a program that
 loops forever costs one judgement about ``timeout_s + after_timeout_s``, not ``timeout_s`` per case. Such a
-timeout is the program's failure and is scored (``FailureClass.TIMEOUT`` when nothing passed). Nothing the program prints,
-no exit code and no in-process assert is trusted; the harness (`_harness.py`) reports over a nonce-tagged line
+timeout is the program's failure and is scored (``FailureClass.TIMEOUT`` when nothing passed).
+Nothing the program prints, no exit code and no in-process assert is trusted; the harness (`_harness.py`) reports over a nonce-tagged line
 and anything else is ignored. No code block, a syntax error or a crash at import scores 0. An ``infra_error``
 of the sandbox is retried, then reported as ``FailureClass.SANDBOX`` (never a 0 to learn from).
 
@@ -201,7 +201,8 @@ def _run_limits(spec: TestSpec, timeout_s: float, limits: Limits | dict[str, Any
 
 
 def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: dict[str, Any], limits: Limits,
-           infra_retries: int, after_timeout_s: float = AFTER_TIMEOUT_S) -> tuple[RunResult, dict[str, Any] | None, int]:
+           infra_retries: int, after_timeout_s: float = AFTER_TIMEOUT_S
+           ) -> tuple[RunResult, dict[str, Any] | None, int]:
     """One jail running the harness on `source`: (the run, the harness's record or None, infra retries used).
     Only the inputs go in; the nonce is new for every run."""
     nonce = new_nonce()

@@ -8,8 +8,8 @@ one by one and remounting / and /dev read-only per run cost more than the rest o
 network namespace per run costs its set-up plus a kernel worker's tear-down. So each launcher prepares once:
 
 * the **jail root**: a tmpfs holding /etc (copies of the few files programs need), /dev (the six device nodes,
-  made with the host's numbers, and the usual links), the merged-/usr links and empty mount points (/proc, /tmp, /sandbox, /dev/shm),
-  with the host's /usr bound inside; then every mount of it is made read-only (`seal`). A jail binds it as its
+  made with the host's numbers, and the usual links), the merged-/usr links and empty mount points (/proc,
+  /tmp, /sandbox, /dev/shm), with the host's /usr bound inside; then every mount of it is made read-only (`seal`). A jail binds it as its
   `/` in one step and mounts only what is fresh per run on top (its /proc, /tmp, /dev/shm, the work dir).
   Nothing in it can be changed from a jail - every mount is read-only, and a jail can neither remount (the
   flags are locked in its user namespace, and seccomp denies mount) nor reach the staging tmpfs around it - so
