@@ -128,9 +128,12 @@ def main() -> None:
     load_at_start = load_1m()
     with SandboxPool(cpus) as pool:
         sandbox = Sandbox(Limits(timeout_s=30), pool=pool)
-        for _ in range(2 * cpus):  # start every launcher, warm the page cache
+        def warm(_: int) -> None:
             sandbox.run(["python3", "-c", "pass"])
             plain([PYTHON, "-c", "pass"])
+
+        with ThreadPoolExecutor(max_workers=cpus) as executor:  # concurrent, so that every slot's launcher starts
+            list(executor.map(warm, range(2 * cpus)))
         overhead = start_overhead(sandbox)
 
         def jailed() -> float:
@@ -142,7 +145,7 @@ def main() -> None:
             plain([PYTHON, "-c", FIVE_ASSERTS])
             return 0.0  # counted in our RUSAGE_CHILDREN
 
-        launchers = [slot.process.pid for slot in pool._slots]
+        launchers = [slot.process.pid for slot in pool._slots if slot.process is not None]
         quiet = alternate(ROUNDS, jailed, unjailed, cpus, launchers)
         spinners = [subprocess.Popen([PYTHON, "-c", SPIN]) for _ in range(BUSY)]
         try:
