@@ -1,16 +1,19 @@
 """Sandbox cost, measured side by side with plain subprocesses in one run (alternating, medians).
 
-    .venv/bin/python bench/sandbox.py            # ~1 minute on 2 cores; prints one JSON line at the end
+    .venv/bin/python bench/sandbox.py            # ~1-2 minutes on 2 cores; prints one JSON line at the end
 
 1. Start overhead: ``python3 -c pass`` in a jail minus the same command as a plain subprocess, in alternating
    pairs on one thread (p50 and p95 of the paired differences), plus where the jail's time goes (the
    launcher's per-phase trace: set-up before fork, fork to exec, bubblewrap's set-up, the program, reaping).
 2. Throughput: a small program with five asserts, run on all cores (one worker thread per CPU), sandboxed
    (one slot per CPU) and unsandboxed, in alternating rounds; ratio = sandboxed / unsandboxed runs per second.
-   On a shared machine wall-clock figures move with the neighbours' load, so the CPU each side spends per run
-   is measured too - every process involved: this one, the runs, and (sandboxed) the launchers - and
-   cpu_ratio = unsandboxed CPU per run / sandboxed CPU per run is what the throughput ratio tends to on a
-   quiet, saturated machine.
+   Measured twice: as the machine is ("quiet": no load of the bench's own), and with `BENCH_BUSY` (default 2)
+   background processes that spin on the CPU the whole time ("busy"), since a trainer's machine is rarely idle.
+   The JSON line's "ratio" is the smaller of the two; the 1-minute load average is reported before and after
+   each phase (other jobs on a shared machine move every wall-clock figure).
+   The CPU each side spends per run is measured too - every process involved: this one, the runs, and
+   (sandboxed) the launchers - and cpu_ratio = unsandboxed CPU per run / sandboxed CPU per run is what the
+   throughput ratio tends to on a quiet, saturated machine.
 Both sides use the same interpreter (the jail's ``python3``, i.e. /usr/bin/python3 on Debian).
 """
 
@@ -43,6 +46,8 @@ assert solution(list(range(50, 0, -1))) == list(range(1, 51))
 PAIRS = int(os.environ.get("BENCH_PAIRS", 80))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 5))
 RUNS_PER_ROUND = int(os.environ.get("BENCH_RUNS", 60))
+BUSY = int(os.environ.get("BENCH_BUSY", 2))
+SPIN = "while True:\n    pass\n"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -97,13 +102,38 @@ def throughput(run_one, workers: int, launchers: list[int]) -> tuple[float, floa
     return RUNS_PER_ROUND / elapsed, (cpu_seconds(launchers) - cpu_before + jail_cpu) / RUNS_PER_ROUND
 
 
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def alternate(rounds: int, jailed, unjailed, cpus: int, launchers: list[int]) -> dict:
+    """Alternating rounds of both sides; medians of runs/s and of CPU ms per run, and the load around them."""
+    before = load_1m()
+    unsandboxed, sandboxed = [], []
+    for _ in range(rounds):
+        unsandboxed.append(throughput(unjailed, cpus, []))
+        sandboxed.append(throughput(jailed, cpus, launchers))
+    plain_rate = statistics.median(r for r, _ in unsandboxed)
+    jail_rate = statistics.median(r for r, _ in sandboxed)
+    plain_cpu = statistics.median(c for _, c in unsandboxed) * 1000
+    jail_cpu = statistics.median(c for _, c in sandboxed) * 1000
+    return {"unsandboxed_runs_per_s": round(plain_rate, 1), "sandboxed_runs_per_s": round(jail_rate, 1),
+            "ratio": round(jail_rate / plain_rate, 3), "unsandboxed_cpu_ms_per_run": round(plain_cpu, 2),
+            "sandboxed_cpu_ms_per_run": round(jail_cpu, 2), "cpu_ratio": round(plain_cpu / jail_cpu, 3),
+            "load_avg_1m_before": before, "load_avg_1m_after": load_1m()}
+
+
 def main() -> None:
     cpus = os.cpu_count() or 1
+    load_at_start = load_1m()
     with SandboxPool(cpus) as pool:
         sandbox = Sandbox(Limits(timeout_s=30), pool=pool)
-        for _ in range(2 * cpus):  # start every launcher, warm the page cache
+        def warm(_: int) -> None:
             sandbox.run(["python3", "-c", "pass"])
             plain([PYTHON, "-c", "pass"])
+
+        with ThreadPoolExecutor(max_workers=cpus) as executor:  # concurrent, so that every slot's launcher starts
+            list(executor.map(warm, range(2 * cpus)))
         overhead = start_overhead(sandbox)
 
         def jailed() -> float:
@@ -115,23 +145,28 @@ def main() -> None:
             plain([PYTHON, "-c", FIVE_ASSERTS])
             return 0.0  # counted in our RUSAGE_CHILDREN
 
-        launchers = [slot.process.pid for slot in pool._slots]
-        unsandboxed, sandboxed = [], []
-        for _ in range(ROUNDS):
-            unsandboxed.append(throughput(unjailed, cpus, []))
-            sandboxed.append(throughput(jailed, cpus, launchers))
+        launchers = [slot.process.pid for slot in pool._slots if slot.process is not None]
+        quiet = alternate(ROUNDS, jailed, unjailed, cpus, launchers)
+        spinners = [subprocess.Popen([PYTHON, "-c", SPIN]) for _ in range(BUSY)]
+        try:
+            time.sleep(1.0)
+            busy = alternate(ROUNDS, jailed, unjailed, cpus, launchers)
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
         stats = pool.stats()
         capabilities = pool.capabilities()
 
     figures = {
         "cpus": cpus,
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "load_avg_1m_at_start": load_at_start,
         **{k: round(v, 2) if isinstance(v, float) else v for k, v in overhead.items()},
-        "unsandboxed_runs_per_s": round(statistics.median(r for r, _ in unsandboxed), 1),
-        "sandboxed_runs_per_s": round(statistics.median(r for r, _ in sandboxed), 1),
-        "ratio": round(statistics.median(r for r, _ in sandboxed) / statistics.median(r for r, _ in unsandboxed), 3),
-        "unsandboxed_cpu_ms_per_run": round(statistics.median(c for _, c in unsandboxed) * 1000, 2),
-        "sandboxed_cpu_ms_per_run": round(statistics.median(c for _, c in sandboxed) * 1000, 2),
+        "ratio": min(quiet["ratio"], busy["ratio"]),
+        "ratio_quiet": quiet["ratio"],
+        f"ratio_busy_{BUSY}": busy["ratio"],
+        "quiet": quiet,
+        f"busy_{BUSY}": busy,
         "infra_errors": stats.infra_errors,
         "memory_cgroup": capabilities["memory_limit"],
         "seccomp": capabilities["seccomp"],
@@ -140,12 +175,11 @@ def main() -> None:
           f"p95 {figures['overhead_p95_ms']} ms (plain {figures['plain_p50_ms']} ms, "
           f"sandboxed {figures['sandboxed_p50_ms']} ms)")
     print(f"where a jailed run's time goes (ms from the launcher's start of the run): {figures['phases_ms']}")
-    print(f"five-assert programs on {cpus} cores: unsandboxed {figures['unsandboxed_runs_per_s']}/s, "
-          f"sandboxed {figures['sandboxed_runs_per_s']}/s, ratio {figures['ratio']} "
-          f"(load average {figures['load_avg_1m']})")
-    figures["cpu_ratio"] = round(figures["unsandboxed_cpu_ms_per_run"] / figures["sandboxed_cpu_ms_per_run"], 3)
-    print(f"CPU per run (every process involved): unsandboxed {figures['unsandboxed_cpu_ms_per_run']} ms, "
-          f"sandboxed {figures['sandboxed_cpu_ms_per_run']} ms, cpu_ratio {figures['cpu_ratio']}")
+    for name, phase in (("as the machine is", quiet), (f"with {BUSY} busy processes", busy)):
+        print(f"five-assert programs on {cpus} cores, {name}: unsandboxed {phase['unsandboxed_runs_per_s']}/s, "
+              f"sandboxed {phase['sandboxed_runs_per_s']}/s, ratio {phase['ratio']}; CPU per run "
+              f"{phase['unsandboxed_cpu_ms_per_run']} / {phase['sandboxed_cpu_ms_per_run']} ms, cpu_ratio "
+              f"{phase['cpu_ratio']} (load average {phase['load_avg_1m_before']} -> {phase['load_avg_1m_after']})")
     print(json.dumps(figures))
 
 

@@ -227,11 +227,97 @@ def test_system_is_read_only_only_workdir_tmp_shm_writable(pool):
         assert report[path] in ("OSError", "PermissionError"), (path, report[path])
     for path in ("/sandbox/probe", "/tmp/probe", "/dev/shm/probe"):
         assert report[path] == "written", path
-    # protection off: without the read-only remount, the jail's / (its own tmpfs, not the host's) takes writes;
-    # its /dev stays closed anyway (owned by root, who is nobody inside)
+    # protection off: without the read-only root, the jail's / (its own tmpfs, not the host's) takes writes;
+    # its /dev stays closed anyway (the launcher's prepared /dev is read-only and owned by root)
     with pytest.warns(UserWarning, match="readonly_root"):
         report = probe_json(box(pool, JailOptions(readonly_root=False)).run_python(WRITE_PROBE))
-    assert report["/probe"] == "written" and report["/dev/probe"] == "PermissionError"
+    assert report["/probe"] == "written" and report["/dev/probe"] in ("OSError", "PermissionError")
+
+
+LISTING = """
+import json, os, stat
+FRESH = {"/proc", "/tmp", "/sandbox", "/dev/shm"}  # mounted anew for every run
+def listing():
+    seen = {}
+    for top in ("/", "/etc", "/dev"):
+        for name in sorted(os.listdir(top)):
+            path = os.path.join(top, name)
+            if path in FRESH:
+                continue
+            info = os.lstat(path)
+            seen[path] = [info.st_mode, info.st_uid, info.st_size]
+            if not stat.S_ISDIR(info.st_mode):  # a directory's mtime is when this slot's launcher made it
+                seen[path].append(info.st_mtime_ns)
+    for place in sorted(FRESH - {"/proc"}):
+        seen[place + " entries"] = sorted(n for n in os.listdir(place) if n != "main.py")
+    try:
+        seen["xattr"] = os.getxattr("/", "user.leak").decode()
+    except OSError:
+        seen["xattr"] = None
+    return seen
+"""
+
+TAMPER_PROBE = LISTING + """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+attempts = {}
+def attempt(name, action):
+    try:
+        action()
+        attempts[name] = "done"
+    except OSError as error:
+        attempts[name] = type(error).__name__
+def remount_root_writable():
+    if libc.mount(b"none", b"/", None, 32 | 4096, None) != 0:  # MS_REMOUNT | MS_BIND, without MS_RDONLY
+        raise OSError(ctypes.get_errno(), "mount")
+attempt("write /", lambda: open("/leak", "w").write("x"))
+attempt("mkdir /", lambda: os.mkdir("/leakdir"))
+attempt("append /etc/passwd", lambda: open("/etc/passwd", "a").write("x"))
+attempt("chmod /etc/passwd", lambda: os.chmod("/etc/passwd", 0o777))
+attempt("touch /etc/group", lambda: os.utime("/etc/group", (0, 0)))
+attempt("rename /etc/passwd", lambda: os.rename("/etc/passwd", "/etc/passwd2"))
+attempt("xattr /", lambda: os.setxattr("/", "user.leak", b"1"))
+attempt("chmod /dev/null", lambda: os.chmod("/dev/null", 0o600))
+attempt("mknod /dev", lambda: os.mknod("/dev/leak", 0o20666, os.makedev(8, 0)))
+attempt("symlink /dev", lambda: os.symlink("/sandbox", "/dev/leak"))
+attempt("remount / writable", remount_root_writable)
+for place in ("/tmp/left", "/dev/shm/left", "/sandbox/left"):
+    open(place, "w").write("from an earlier run")
+with open("/dev/null", "w") as sink, open("/dev/zero", "rb") as zeros, open("/dev/urandom", "rb") as noise:
+    attempts["devices work"] = [sink.write("x"), len(zeros.read(4)), len(noise.read(4))]
+print(json.dumps({"attempts": attempts, "after": listing()}))
+"""
+
+
+def test_the_shared_jail_root_cannot_be_changed_and_nothing_carries_over(pool):
+    """Each launcher prepares one read-only jail root and every run of its slot binds it as /: a run must not
+    be able to change it, and nothing a run writes (work dir, /tmp, /dev/shm) may reach the next run."""
+    one_slot = box(pool)  # runs from one thread, one after another, go to the same warm slot
+    before = probe_json(one_slot.run_python(LISTING + "print(json.dumps(listing()))"))
+    assert "/etc/passwd" in before and "/dev/null" in before and before["/tmp entries"] == []
+    report = {}
+    for _ in range(3):
+        report = probe_json(one_slot.run_python(TAMPER_PROBE))
+        assert report["attempts"].pop("devices work") == [1, 4, 4]
+        assert set(report["attempts"].values()) <= {"OSError", "PermissionError"}, report["attempts"]
+        assert {k: v for k, v in report["after"].items() if "entries" not in k} == \
+            {k: v for k, v in before.items() if "entries" not in k}
+    assert report["after"]["/tmp entries"] == ["left"]  # the probe's own writes, this run only
+    after = probe_json(one_slot.run_python(LISTING + "print(json.dumps(listing()))"))
+    assert after == before, "a run's changes reached a later run"
+    # the listing sees a change where there is one: with a writable root (each run's own tmpfs) the write lands
+    with pytest.warns(UserWarning, match="readonly_root"):
+        weak = probe_json(box(pool, JailOptions(readonly_root=False)).run_python(TAMPER_PROBE))
+    assert weak["attempts"]["write /"] == "done" and "/leak" in weak["after"] and "/leak" not in before
+
+
+def test_a_read_only_path_gets_its_mount_point_in_the_shared_root(pool):
+    shared = Path(__file__).resolve().parent / "data"  # not under /tmp: needs a mount point in the jail root
+    jail = JailOptions(ro_paths=(str(shared),))
+    listed = box(pool, jail).run(["ls", str(shared)])
+    assert listed.status == "ok" and sorted(listed.stdout.split()) == sorted(os.listdir(shared))
+    written = box(pool, jail).run(["sh", "-c", f"echo x > {shared}/leak"])
+    assert written.status == "runtime_error" and not (shared / "leak").exists()
 
 
 NAMESPACE_PROBE = """

@@ -4,6 +4,7 @@ the sandbox, infra failures that are not scores, and agentic final states."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -95,6 +96,56 @@ def test_one_slow_case_does_not_sink_the_others():
     source = "import time\ndef add(a, b):\n    if a == 5:\n        time.sleep(30)\n    return a + b"
     reward = verify_code(fenced(source), ADD, timeout_s=0.5)
     assert reward.score == 0.75 and reward.details["cases"][2] == "timeout"
+
+
+FIVE = {"function": "add", "cases": [{"args": [i, 1], "expected": i + 1} for i in range(5)]}
+
+
+def test_a_program_that_loops_forever_costs_one_timeout_plus_the_shared_budget():
+    """5 cases x 2 s would be 10 s; after the first timeout the other four share 0.5 s, then fail unrun."""
+    started = time.monotonic()
+    reward = verify_code(fenced("def add(a, b):\n    while True:\n        pass"), FIVE, timeout_s=2.0,
+                         after_timeout_s=0.5)
+    elapsed = time.monotonic() - started
+    assert reward.score == 0 and reward.failure == FailureClass.TIMEOUT and not reward.is_infrastructure_failure
+    assert reward.details["cases"][0] == "timeout" and "skipped: time budget spent" in reward.details["cases"]
+    assert elapsed < 2.0 + 0.5 + 2.5, elapsed  # the jail's start and the harness's own work on top
+
+
+@pytest.mark.parametrize("tests", [
+    [{"stdin": f"{i}\n", "stdout": f"{i}\n"} for i in range(5)],
+    "\n".join(f"assert echo({i}) == {i}" for i in range(5)),
+])
+def test_the_bound_holds_for_stdio_and_assert_tests(tests):
+    source = "import time\ndef echo(x):\n    time.sleep(60)\nif __name__ == '__main__':\n    echo(input())"
+    started = time.monotonic()
+    reward = verify_code(fenced(source), tests, timeout_s=1.5, after_timeout_s=0.3)
+    assert reward.score == 0 and reward.failure == FailureClass.TIMEOUT
+    assert time.monotonic() - started < 1.5 + 0.3 + 2.5
+    assert reward.details["cases"][0] == "timeout" and reward.details["cases"][-1] == "skipped: time budget spent"
+
+
+def test_an_honest_slow_program_still_passes():
+    """Every case takes most of its timeout: nothing times out, so the shared budget never starts."""
+    source = "import time\ndef add(a, b):\n    time.sleep(0.6)\n    return a + b"
+    reward = verify_code(fenced(source), FIVE, timeout_s=1.5, after_timeout_s=0.1)
+    assert reward.passed and reward.details["cases"] == ["pass"] * 5
+
+
+def test_after_a_timeout_the_fast_cases_still_pass_within_the_budget():
+    source = "def add(a, b):\n    while a == 0:\n        pass\n    return a + b"
+    reward = verify_code(fenced(source), FIVE, timeout_s=1.0, after_timeout_s=1.0)
+    assert reward.details["cases"] == ["timeout"] + ["pass"] * 4 and reward.score == 0.8
+    assert reward.failure == FailureClass.WRONG_ANSWER  # partly right: scored as such, not as infrastructure
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"after_timeout_s": -1}, "after_timeout_s"), ({"after_timeout_s": float("inf")}, "after_timeout_s"),
+    ({"timeout_s": 0}, "timeout_s"), ({"after_timeout_s": "1"}, "after_timeout_s"),
+])
+def test_time_options_are_checked(options, message):
+    with pytest.raises(VerifyError, match=message):
+        verify_code(fenced("def add(a, b):\n    return a + b"), ADD, **options)
 
 
 def test_trajectory_and_final_state_files():

@@ -67,7 +67,8 @@ class Limits:
         return dataclasses.replace(self, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # every field is a number: a shallow read (dataclasses.asdict deep-copies, ~0.1 ms on every run)
+        return {spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class JailOptions:
             warnings.warn(f"sandbox run with protections off: {', '.join(self.weakened)}", stacklevel=3)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = {spec.name: getattr(self, spec.name) for spec in dataclasses.fields(self)}
         data["ro_paths"] = list(self.ro_paths)
         return data
 

@@ -10,7 +10,10 @@ per-run random nonce. The design keeps the candidate away from everything that d
 2. Candidate code only runs in *workers* the zygote forks on request: stdout/stderr go to /dev/null, the only
    channel is a socket to the harness carrying JSON. Values cross as tagged JSON and are rebuilt from plain
    builtins; an object with ``__eq__`` always True cannot cross. A worker that dies, hangs past the per-case
-   timeout or answers out of turn fails that case; the next case gets a fresh worker.
+   timeout or answers out of turn fails that case; the next case gets a fresh worker. Once one case has timed
+   out, the cases after it share ``after_timeout_s`` seconds in all (each still at most the per-case timeout),
+   and once that is spent they fail without running: a sample that loops forever costs one case's timeout plus
+   that small budget, not a full timeout per case.
 3. At the end the harness SIGKILLs every other process in the jail (``kill(-1)``: the zygote, workers, daemons),
    then prints one line: ``NONCE JSON``. Anything else on stdout is ignored by the verifier, and a second line
    with the nonce cannot exist, so printing a fake result, os._exit, atexit hooks or killing the harness can
@@ -335,13 +338,33 @@ class Worker:
         self.conn.close()
 
 
+class BudgetSpent(WorkerGone):
+    """Not run: an earlier case timed out and the time the later cases share is used up."""
+
+
 class Harness:
     def __init__(self, config, spawner):
         self.config = config
         self.spawner = spawner
         self.timeout_s = float(config["timeout_s"])
+        self.after_timeout_s = float(config.get("after_timeout_s", float("inf")))  # absent: no shared bound
+        self.overtime_ends = None  # set by the first timeout: when the time the later cases share runs out
         self.worker = None
         self.load_error = None  # once the module failed to import, every later call fails the same way
+
+    def time_left(self, limit_s):
+        """How long the next wait may last: `limit_s`, or less once a case has timed out (BudgetSpent at 0)."""
+        if self.overtime_ends is None:
+            return limit_s
+        remaining = self.overtime_ends - time.monotonic()
+        if remaining <= 0:
+            raise BudgetSpent("not run: an earlier case timed out and the time budget after it is spent")
+        return min(limit_s, remaining)
+
+    def timed_out(self):
+        """A case ran out of time: from now on the remaining cases share `after_timeout_s`."""
+        if self.overtime_ends is None:
+            self.overtime_ends = time.monotonic() + self.after_timeout_s
 
     def ask(self, request):
         """One request to a live worker (started, and the module imported, on demand)."""
@@ -349,14 +372,19 @@ class Harness:
             raise CandidateError(self.load_error)
         if self.worker is None:
             try:
-                self.worker = Worker(self.spawner, self.timeout_s + 5.0)
+                self.worker = Worker(self.spawner, self.time_left(self.timeout_s + 5.0))
+            except BudgetSpent:
+                raise
             except (CandidateError, WorkerGone) as error:
                 self.load_error = "import failed: " + str(error)[:300]
                 raise CandidateError(self.load_error)
+        wait_s = self.time_left(self.timeout_s)  # outside the try: a spent budget says nothing of the worker
         try:
-            reply = self.worker.ask(request, self.timeout_s)
-        except WorkerGone:
+            reply = self.worker.ask(request, wait_s)
+        except WorkerGone as error:
             self.worker = None  # the next request gets a fresh worker
+            if str(error) == "timeout":
+                self.timed_out()
             raise
         if not reply.get("ok"):
             raise CandidateError(str(reply.get("error"))[:300])
@@ -373,6 +401,8 @@ class Harness:
                 value = self.call({"name": self.config["function"]}, case.get("args", []), case.get("kwargs", {}))
                 decode(value)  # only well-formed values travel on; the verifier decodes it again outside
                 results.append({"ok": True, "value": value})
+            except BudgetSpent as error:
+                results.append({"ok": False, "error": str(error), "timeout": True, "skipped": True})
             except WorkerGone as error:
                 results.append({"ok": False, "error": str(error)[:300], "timeout": str(error) == "timeout"})
             except (CandidateError, ValueError) as error:
@@ -382,6 +412,11 @@ class Harness:
     def run_stdio_cases(self):
         results = []
         for case in self.config["cases"]:
+            try:
+                wait_s = self.time_left(self.timeout_s)
+            except BudgetSpent as error:
+                results.append({"ok": False, "error": str(error), "timeout": True, "skipped": True})
+                continue
             stdin_fd = os.memfd_create("stdin")
             data = case["stdin"].encode("utf-8")
             view = memoryview(data)
@@ -395,12 +430,13 @@ class Harness:
                 os.close(out_r)
                 results.append({"ok": False, "error": str(error)})
                 continue
-            output, timed_out = _read_all(out_r, time.monotonic() + self.timeout_s)
+            output, timed_out = _read_all(out_r, time.monotonic() + wait_s)
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
             if timed_out:
+                self.timed_out()
                 results.append({"ok": False, "timeout": True, "error": "timeout"})
             else:
                 results.append({"ok": True, "stdout": output.decode("utf-8", errors="replace")})
@@ -426,7 +462,9 @@ class Harness:
                     results.append({"ok": True})
             except WorkerGone as error:
                 if is_test:
-                    results.append({"ok": False, "error": "worker: " + str(error)[:200]})
+                    results.append({"ok": False, "error": "worker: " + str(error)[:200],
+                                    "timeout": str(error) == "timeout" or isinstance(error, BudgetSpent),
+                                    "skipped": isinstance(error, BudgetSpent)})
                 else:
                     setup_failed = str(error)[:200]
             except BaseException as error:  # noqa: BLE001 - a failed assert or the candidate's exception

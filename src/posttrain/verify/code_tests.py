@@ -9,8 +9,12 @@ Three test shapes, all accepted by `verify_code`:
 * assert-style test source (a string) - the weaker scheme: the test statements run in the jail in a process
   separate from the solution (which it reaches through proxies), so the expected values are inside the jail;
   such rewards say ``"weaker_scheme": true`` in details.
-For the first two, only the inputs enter the sandbox: expected outputs never do. Nothing the program prints,
-no exit code and no in-process assert is trusted; the harness (`_harness.py`) reports over a nonce-tagged line
+For the first two, only the inputs enter the sandbox: expected outputs never do.
+Each case may run for ``timeout_s``; once one has timed out, the cases after it share ``after_timeout_s``
+seconds in all and fail unrun once that is spent (``"skipped: time budget spent"`` in details), so a program that
+loops forever costs one judgement about ``timeout_s + after_timeout_s``, not ``timeout_s`` per case. Such a
+timeout is the program's failure and is scored (``FailureClass.TIMEOUT`` when nothing passed).
+Nothing the program prints, no exit code and no in-process assert is trusted; the harness (`_harness.py`) reports over a nonce-tagged line
 and anything else is ignored. No code block, a syntax error or a crash at import scores 0. An ``infra_error``
 of the sandbox is retried, then reported as ``FailureClass.SANDBOX`` (never a 0 to learn from).
 
@@ -40,6 +44,10 @@ from posttrain.verify.registry import verifier
 
 _HARNESS_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")).read()
 _START_S = 5.0  # jail + interpreter + harness start-up, within the jail's wall-clock budget
+# Once a case of a sample has timed out, the cases after it share this many seconds: enough for the other cases
+# of a program with one slow path (a fresh worker re-imports the solution in ~20 ms), far less than a full
+# timeout each for a program that loops on every input.
+AFTER_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -113,8 +121,18 @@ def parse_tests(tests: Any) -> TestSpec:
     raise VerifyError(f"verifier 'code': unknown test shape {type(tests).__name__}; expected {shapes}")
 
 
-def _check_code_args(tests: Any = None, limits: Any = None, timeout_s: float = 4.0, **_: Any) -> None:
+def _check_code_args(tests: Any = None, limits: Any = None, timeout_s: float = 4.0,
+                     after_timeout_s: float = AFTER_TIMEOUT_S, **_: Any) -> None:
+    _check_times(timeout_s, after_timeout_s)
     _run_limits(parse_tests(tests), timeout_s, limits)
+
+
+def _check_times(timeout_s: Any, after_timeout_s: Any) -> None:
+    for name, value, zero_ok in (("timeout_s", timeout_s, False), ("after_timeout_s", after_timeout_s, True)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < 0 or (value == 0 and not zero_ok):
+            bound = ">= 0" if zero_ok else "> 0"
+            raise VerifyError(f"verifier 'code': {name} must be a finite number of seconds {bound}, got {value!r}")
 
 
 def strict_equal(got: Any, expected: Any, float_tolerance: float = 1e-9) -> bool:
@@ -183,12 +201,14 @@ def _run_limits(spec: TestSpec, timeout_s: float, limits: Limits | dict[str, Any
 
 
 def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: dict[str, Any], limits: Limits,
-           infra_retries: int) -> tuple[RunResult, dict[str, Any] | None, int]:
+           infra_retries: int, after_timeout_s: float = AFTER_TIMEOUT_S
+           ) -> tuple[RunResult, dict[str, Any] | None, int]:
     """One jail running the harness on `source`: (the run, the harness's record or None, infra retries used).
     Only the inputs go in; the nonce is new for every run."""
     nonce = new_nonce()
     config_name = f".config-{secrets.token_hex(8)}"
-    config = {"mode": spec.mode, "nonce": nonce, "timeout_s": timeout_s, "function": spec.function,
+    config = {"mode": spec.mode, "nonce": nonce, "timeout_s": timeout_s, "after_timeout_s": after_timeout_s,
+              "function": spec.function,
               "cases": [{"args": c.get("args", []), "kwargs": c.get("kwargs", {})} if spec.mode == "function"
                         else {"stdin": c["stdin"]} for c in spec.cases],
               "source": spec.source, "remote_names": spec.remote_names, "jailed": runs_in_jail(box)}
@@ -223,11 +243,13 @@ def _self_test(box: Any, run_limits: Limits) -> None:
 
 
 @verifier("code", check=_check_code_args)
-def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_tolerance: float = 1e-9,
-                solution_file: str | None = None, limits: Limits | dict[str, Any] | None = None,
-                sandbox: Sandbox | None = None,
+def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_timeout_s: float = AFTER_TIMEOUT_S,
+                float_tolerance: float = 1e-9, solution_file: str | None = None,
+                limits: Limits | dict[str, Any] | None = None, sandbox: Sandbox | None = None,
                 infra_retries: int = 2, final_state: dict[str, Any] | None = None) -> Reward:
-    """Run `tests` (any of the three shapes) against the program in `completion`; see the module doc."""
+    """Run `tests` (any of the three shapes) against the program in `completion`; see the module doc.
+    `timeout_s` bounds each case; after a first timeout the remaining cases share `after_timeout_s`."""
+    _check_times(timeout_s, after_timeout_s)
     spec = parse_tests(tests)
     scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
     source = _source(completion, final_state, solution_file)
@@ -237,7 +259,7 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_to
     box = sandbox or Sandbox()  # the shared default pool
     _self_test(box, run_limits)
     files = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
-    result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries)
+    result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries, after_timeout_s)
     run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3)}
     if result.is_infra_error:
         return Reward(0.0, False, FailureClass.SANDBOX, details={"reason": "sandbox_failure",
@@ -270,6 +292,8 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, float_to
 def _why(outcome: Any) -> str:
     if not isinstance(outcome, dict):
         return "no result"
+    if outcome.get("skipped"):
+        return "skipped: time budget spent"
     if outcome.get("timeout"):
         return "timeout"
     if outcome.get("ok"):

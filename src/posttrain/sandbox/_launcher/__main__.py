@@ -19,7 +19,7 @@ import runner
 import seccomp
 import syscalls
 import wire
-from slot import Slot
+from slot import Slot, prune_mounts
 
 
 def _claim_uid(base: int, span: int) -> tuple[int, socket.socket]:
@@ -65,6 +65,7 @@ def _start(config: dict) -> tuple[Slot, object]:
     filters = {allow: seccomp.build(allow_namespaces=allow) for allow in (False, True)}
     slot = Slot(uid, gid, as_root, mount_point, config["bwrap"], slot_cgroups, filters)
     slot.prepare_staging()
+    prune_mounts(keep=[slot.cgroups.memory_dir, slot.cgroups.pids_dir] if slot.cgroups is not None else [])
     slot.enter_own_network_namespace()
     return slot, holder
 
@@ -103,6 +104,7 @@ def main() -> int:
                 response = {"status": "infra_error", "error": traceback.format_exc(limit=4)}
                 runner._reap_all(slot.cgroups)
             wire.send(1, response)
+            runner.release(slot)
             if response.get("parent_gone") or response.get("clean") is False:
                 return 0  # a slot that could not be emptied is not reused: the trainer starts a fresh one
     except (BrokenPipeError, ConnectionResetError):

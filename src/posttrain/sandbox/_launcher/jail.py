@@ -1,13 +1,15 @@
 """The bubblewrap command line for one run: what the jail sees and which namespaces it gets.
 
-The jail's root is a fresh tmpfs, remounted read-only at the end: the host's /usr (and its merged-/usr links),
-an /etc of copies of the few files programs need (`ETC_ENTRIES`, copied once per launcher and bound as one
-mount), a new /proc for the jail's own PID namespace, a minimal /dev (read-only), size-capped tmpfs at /tmp and
-/dev/shm, and the run's work dir at `WORKDIR`, read-write. Nothing else of the host exists inside: not its home
-directories, not the project, not other jails.
+The jail's root is the launcher's prepared root (see slot.py), bound as `/` in one step and read-only in every
+mount: the host's /usr (and its merged-/usr links), an /etc of copies of the few files programs need
+(`ETC_ENTRIES`), a minimal /dev. On top, fresh per run: a new /proc for the jail's own PID namespace,
+size-capped tmpfs at /tmp and /dev/shm, and the run's work dir at `WORKDIR`, read-write. Nothing else of the
+host exists inside: not its home directories, not the project, not other jails.
 
-Fewer mounts is faster: bubblewrap re-reads /proc/self/mountinfo for every read-only bind, so binding fourteen
-/etc files one by one cost more CPU (measured with perf) than the rest of the jail's set-up together.
+Fewer mounts is faster: bubblewrap re-reads /proc/self/mountinfo for every bind and every read-only remount, so
+binding /usr, /etc and /dev one by one and remounting / and /dev read-only per run cost more CPU (measured with
+perf) than the rest of the jail's set-up together. Only a jail with ``readonly_root`` off (a test switch) is
+still built the old way, on a writable tmpfs root of its own.
 Standard library only; the launcher imports this by file path.
 """
 
@@ -18,7 +20,7 @@ import os
 
 WORKDIR = "/sandbox"
 PATH = "/usr/local/bin:/usr/bin:/bin"
-_MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+MERGED_USR = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_ENTRIES = (
     "passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime",
     "alternatives", "os-release", "mime.types", "ssl/certs", "ca-certificates", "ca-certificates.conf",
@@ -33,7 +35,7 @@ def etc_entries() -> list[str]:
 
 def _system_binds() -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
-    for name in _MERGED_USR:
+    for name in MERGED_USR:
         path = "/" + name
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
@@ -42,18 +44,13 @@ def _system_binds() -> list[str]:
     return args
 
 
-_SYSTEM = None
-
-
 def bwrap_argv(
     bwrap: str, workdir_host: str, command: list[str], limits: dict, jail: dict, env: dict[str, str],
-    seccomp: bool, etc_dir: str, dev_dir: str, staged: dict[str, str] | None = None,
+    seccomp: bool, root: str, staged: dict[str, str] | None = None,
 ) -> list[str]:
-    """The full argv. ``staged`` maps each of ``jail["ro_paths"]`` to where the launcher bind-mounted it for
-    bubblewrap, which runs as the slot's uid and may not be able to reach the original (e.g. under /root)."""
-    global _SYSTEM
-    if _SYSTEM is None:  # the host layout does not change while a launcher lives
-        _SYSTEM = _system_binds()
+    """The full argv. ``root`` is the launcher's prepared (sealed, read-only) jail root. ``staged`` maps each of
+    ``jail["ro_paths"]`` to where the launcher bind-mounted it for bubblewrap, which runs as the slot's uid and may
+    not be able to reach the original (e.g. under /root)."""
     # No --unshare-net: the launcher gave its slot a network namespace of its own (see slot.py), which the
     # jail inherits - or, with jail["network"], the launcher's child joined the host's before exec.
     args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
@@ -62,10 +59,16 @@ def bwrap_argv(
         args.append("--disable-userns")
     if seccomp:
         args += ["--seccomp", str(SECCOMP_FD)]
-    args += _SYSTEM + ["--ro-bind", etc_dir, "/etc"]
+    readonly = jail.get("readonly_root", True)
+    if readonly:
+        # --dev-bind: the device nodes inside keep working; every mount of it is already read-only, nosuid and
+        # (but for the devices) nodev, so bubblewrap has nothing to remount
+        args += ["--dev-bind", root, "/"]
+    else:  # the weakened test layout: a writable tmpfs root of bubblewrap's own, the system bound into it
+        args += _system_binds() + ["--ro-bind", os.path.join(root, "etc"), "/etc",
+                                   "--dev-bind", os.path.join(root, "dev"), "/dev"]
     tmp_bytes = str(int(limits["tmp_mb"]) << 20)
-    args += ["--proc", "/proc", "--dev-bind", dev_dir, "/dev",
-             "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm"]
+    args += ["--proc", "/proc", "--size", tmp_bytes, "--tmpfs", "/tmp", "--size", tmp_bytes, "--tmpfs", "/dev/shm"]
     # After the private /tmp, so a path the caller shares from under the host's /tmp (a virtualenv there) is
     # not hidden beneath it.
     for path in jail.get("ro_paths", ()):
@@ -75,7 +78,4 @@ def bwrap_argv(
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
     for key, value in env.items():
         args += ["--setenv", key, value]
-    if jail.get("readonly_root", True):
-        # last, so everything above could still be created on the fresh root; neither remount is recursive
-        args += ["--remount-ro", "/dev", "--remount-ro", "/"]
     return args + ["--"] + list(command)

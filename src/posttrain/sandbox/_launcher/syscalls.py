@@ -13,12 +13,17 @@ PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
 MNT_DETACH = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -55,6 +60,11 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
         ),
         f"mount {target}",
     )
+
+
+def remount(target: str, flags: int) -> None:
+    """Change the flags of the bind mount at `target` (MS_RDONLY, MS_NOSUID ...), this mount only."""
+    mount("none", target, None, MS_REMOUNT | MS_BIND | flags)
 
 
 def umount(target: str) -> None:
