@@ -62,14 +62,16 @@ class StreamRequest:
     """One prompt with ``sampling.n`` sequences, submitted to a `ContinuousBatcher`.
 
     Events arrive as the loop produces them; `drain` takes those not yet taken (safe from any thread).
-    ``top_logprobs`` asks for that many most likely tokens (with logprobs) at every step.
+    ``top_logprobs`` asks for that many most likely tokens (with logprobs) at every step; ``ignore_eos``
+    samples past the end-of-sequence token (fixed-length outputs, for benchmarks and tests).
     """
 
     def __init__(self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, top_logprobs: int = 0,
-                 request_id: str = ""):
+                 request_id: str = "", ignore_eos: bool = False):
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
         self.top_logprobs = top_logprobs
+        self.ignore_eos = ignore_eos  # stop only on stop strings, stop_token_ids and length (benchmarks)
         self.request_id = request_id
         self.completions: list[Completion | None] = [None] * sampling.n
         self.error: Exception | None = None
@@ -297,7 +299,7 @@ class ContinuousBatcher:
     def _rows_for(self, request: StreamRequest, version: int) -> list[_Row]:
         sampling = request.sampling
         limit = self.room(request.prompt_token_ids, sampling.max_new_tokens)
-        rule = StopRule(self.engine.tokenizer, self.engine.eos_ids, sampling)
+        rule = StopRule(self.engine.tokenizer, () if request.ignore_eos else self.engine.eos_ids, sampling)
         seed = unseeded() if sampling.seed is None else sampling.seed
         return [_Row(request, j, limit, rule, stream_seed(seed, 0, j), version) for j in range(sampling.n)]
 
