@@ -28,7 +28,18 @@ def conversations() -> list[tuple[list[dict], list[dict] | None]]:
     ]
 
 
+_TRAINED: dict[tuple[int, int, int], Path] = {}
+
+
 def train_tool_model(tokenizer, directory: Path, steps: int = 100, seed: int = 0) -> Path:
+    """Train once per test session (per tokenizer, steps, seed): later calls get the first directory."""
+    key = (id(tokenizer), steps, seed)
+    if key not in _TRAINED:
+        _TRAINED[key] = _train_with_one_thread(tokenizer, directory, steps, seed)
+    return _TRAINED[key]
+
+
+def _train_with_one_thread(tokenizer, directory: Path, steps: int, seed: int) -> Path:
     # One thread: on a loaded shared CPU, torch's OpenMP threads spinning against other processes made this
     # ~100x slower (tens of seconds -> over ten minutes).
     threads = torch.get_num_threads()

@@ -8,7 +8,7 @@ Tool calls in the model's output are read with the model's own syntax (`posttrai
 ``<tool_call>{json}</tool_call>`` blocks posttrain's templates and tool environments use). ``tool_choice``
 ``"required"`` or a named function cannot be enforced on a free-running model; the server starts the assistant's
 turn with the opening of a call instead (``<tool_call>{"name": "`` or ``<tool_call>{"name": "NAME",
-"arguments": ``), so the model writes the rest — the opening counts as part of the turn when it is parsed.
+"arguments":``), so the model writes the rest — the opening counts as part of the turn when it is parsed.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt:
     choice = request.tool_choice
     prefix = ""
     if isinstance(choice, NamedToolChoice):
-        prefix = TOOL_OPEN + json.dumps({"name": choice.function.name})[:-1] + ', "arguments": '
+        # No space after the colon: a BPE tokenizer would make it a token of its own, where the model learned
+        # it merged with what follows (' {"').
+        prefix = TOOL_OPEN + json.dumps({"name": choice.function.name})[:-1] + ', "arguments":'
     elif choice == "required":
         prefix = TOOL_OPEN + '{"name": "'
     if prefix:
