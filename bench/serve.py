@@ -1,6 +1,6 @@
 """Served vs offline: 64 concurrent streaming chat clients against `posttrain serve`, on tiny-3m.
 
-    .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto]
+    .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto] [--threads N]
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
 (`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn beside it). Per repeat, in turn:
@@ -111,12 +111,13 @@ def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> 
     return tokens, time.perf_counter() - started, ttfts
 
 
-def start_server(checkpoint: Path, port: int, precision: str) -> subprocess.Popen:
+def start_server(checkpoint: Path, port: int, precision: str, threads: int | None) -> subprocess.Popen:
     source = Path(__file__).resolve().parent.parent / "src"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--model-name", MODEL,
-         "--precision", precision], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+         "--precision", precision, *(["--threads", str(threads)] if threads else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     banner = process.stdout.readline()
     if "127.0.0.1" not in banner:
         process.kill()
@@ -130,18 +131,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = make_checkpoint(Path(scratch) / MODEL)
-        engine = load_engine(checkpoint, precision=args.precision)
+        engine = load_engine(checkpoint, precision=args.precision, num_threads=args.threads)
         prompts = chats(args.clients)
         prompt_ids = []
         for messages in prompts:
             encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
         port = free_port()
-        server = start_server(checkpoint, port, args.precision)
+        server = start_server(checkpoint, port, args.precision, args.threads)
         url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(served(url, prompts[:4], 4))  # warm-up: first requests, first decode steps

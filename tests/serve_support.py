@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
+from posttrain.envs.tools import get_tool
 from posttrain.models import build_tiny_model, save_model_dir
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+# The built-in tool's own schema: `posttrain chat --tools calculator` offers the model exactly this.
+CALCULATOR = get_tool("calculator").schema()
 QUESTION = "What is 2+3? Use the calculator."
 CALL_TEXT = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 ANSWER = "The answer is 5."

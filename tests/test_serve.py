@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from posttrain.serve import free_port, make_backend, start_server
+from posttrain.rollout.continuous import ContinuousBatcher
+from posttrain.serve import HFBackend, free_port, make_backend, start_server
 from posttrain.types import GenerationRequest, SamplingParams
 from serve_support import ANSWER, CALCULATOR, QUESTION, train_tool_model
 
@@ -281,9 +280,23 @@ def test_metrics_count_requests_tokens_and_timings(server, client):
     assert "posttrain_queue_depth" in values
 
 
+def test_an_api_key_is_required_when_set(server):
+    engine = server.backend.batcher.engine
+    with start_server(HFBackend(ContinuousBatcher(engine)), MODEL, api_key="s3cret") as keyed:
+        code, body = _get(keyed.url + "/v1/models")
+        assert code == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert _post(keyed.url + "/v1/chat/completions", {"model": MODEL, "messages": _user("hi")})[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=2).choices
+        assert _get(keyed.url + "/health")[0] == 200  # probes need no key
+
+
 # ---- the command ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_serve_command_requires_its_api_key(checkpoint):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -76,6 +76,7 @@ def test_a_prompt_too_long_is_an_error_line_not_a_crash(engine):
     assert "Hello there, friend." in text  # the session goes on
 
 
+@pytest.mark.slow
 def test_the_chat_command_over_a_pipe(checkpoint):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run(

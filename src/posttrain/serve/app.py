@@ -37,6 +37,7 @@ from posttrain.serve.protocol import ChatCompletionRequest, CompletionRequest, _
 from posttrain.types import Completion, SamplingParams
 
 _OPEN_PATHS = ("/health", "/metrics")
+_ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", *_OPEN_PATHS})
 
 
 def create_app(backend: Backend, model_name: str, *, api_key: str | None = None) -> FastAPI:
@@ -46,17 +47,7 @@ def create_app(backend: Backend, model_name: str, *, api_key: str | None = None)
     created = int(time.time())
     tokenizer = backend.tokenizer
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):  # noqa: ANN202 - starlette's middleware signature
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                response = _error(APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                           type="authentication_error", code="invalid_api_key"))
-                metrics.request(request.url.path, 401)
-                return response
-        response = await call_next(request)
-        metrics.request(request.url.path if response.status_code != 404 else "unknown", response.status_code)
-        return response
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -139,6 +130,35 @@ def create_app(backend: Backend, model_name: str, *, api_key: str | None = None)
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
     return app
+
+
+class _Guard:
+    """The API key check and the request counter, as plain ASGI (no per-chunk cost on streams)."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.expected is not None and path not in _OPEN_PATHS:
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                self.metrics.request(path if path in _ENDPOINTS else "other", 401)
+                response = _error(APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                           type="authentication_error", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.metrics.request(path if path in _ENDPOINTS else "other", status)  # bounded label values
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 # ---- request checks ---------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import torch
+
 from posttrain.rollout.continuous import ContinuousBatcher, StreamRequest
 from posttrain.rollout.errors import RolloutError
 from posttrain.serve.errors import ServeError
@@ -62,6 +64,8 @@ class ChatSession:
 
     def reply(self, text: str, write: Any) -> None:
         """Answer a user turn; with tools, run the calls the model makes and let it continue."""
+        if self.engine.num_threads is not None:  # the loop steps on this thread
+            torch.set_num_threads(self.engine.num_threads)
         self.messages.append({"role": "user", "content": text})
         for _ in range(self.settings.max_tool_rounds + 1):
             content, calls = self._turn(write)
