@@ -31,6 +31,8 @@ STAGES: dict[str, tuple[str, str]] = {
              "posttrain.cli.stages:data"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
+    "serve": ("an OpenAI-compatible HTTP API on a checkpoint (continuous batching)", "posttrain.cli.serving:serve"),
+    "chat": ("an interactive terminal chat with a checkpoint", "posttrain.cli.serving:chat"),
 }
 
 
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--source", default=None, help="metadata.source (default: the episodes file)")
         elif name == "recipes":
             sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
+        elif name in ("serve", "chat"):
+            from posttrain.cli.serving import add_arguments
+
+            add_arguments(name, sub)
         else:
             sub.add_argument("recipe", help="recipe YAML (`posttrain recipes` lists packaged ones)")
             sub.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")

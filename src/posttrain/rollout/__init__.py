@@ -7,11 +7,13 @@
     engine.update_weights(state_for_engine(trainer_model), version=step)
 
 `HFEngine` runs any Hugging Face causal LM (CPU or CUDA); `VLLMEngine` runs vLLM on GPUs (imported lazily);
-`AsyncBatcher` gathers the generate calls of many concurrent episodes into engine batches. docs/rollout.md
+`AsyncBatcher` gathers the generate calls of many concurrent episodes into engine batches;
+`ContinuousBatcher` lets requests join and leave a running batch at every decode step (the server's loop). docs/rollout.md
 has the exact token rules at stops, the logprob convention and measured throughput.
 """
 
 from posttrain.rollout.batcher import AsyncBatcher
+from posttrain.rollout.continuous import ContinuousBatcher, SequenceEvent, StreamRequest
 from posttrain.rollout.engine import EngineStats, HFEngine
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.stopping import eos_token_ids
@@ -20,9 +22,12 @@ from posttrain.rollout.weights import canonical_name, state_for_engine
 
 __all__ = [
     "AsyncBatcher",
+    "ContinuousBatcher",
     "EngineStats",
     "HFEngine",
     "RolloutError",
+    "SequenceEvent",
+    "StreamRequest",
     "VLLMEngine",
     "canonical_name",
     "eos_token_ids",

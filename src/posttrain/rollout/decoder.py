@@ -423,5 +423,76 @@ class DecoderRunner:
         self.positions = self.positions[rows]
         self._regroup(self.rows_prompt[rows])
 
+    # ---- continuous batching: new prompts join a running batch --------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        """How many rows (sequences) the batch holds now (0 after `release`)."""
+        return self.keys[0].shape[1] if self.keys else 0
+
+    def join(self, prompts: list[list[int]], rows_per_prompt: int, capacity: int) -> torch.Tensor:
+        """Add `prompts` (each with `rows_per_prompt` rows) to the running rows; logits [new rows, vocab].
+
+        The running rows stay first, in order, the new rows follow. Every running row's generated KV is folded
+        into a prompt slot of its own (its prompt KV, then its tokens so far), so all rows restart their
+        generated part at column 0 with room for `capacity` more tokens each. The fold copies the batch's KV
+        once per join (a serving scheduler joins arrivals together, not one per step); the attention maths of
+        later steps is unchanged: a row attends to the same keys, in another layout.
+        """
+        if not self.rows:
+            return self.prefill(prompts, rows_per_prompt, capacity)
+        old_keys, old_values, old_bias = self._folded()
+        old_positions = self.positions
+        logits = self.prefill(prompts, rows_per_prompt, capacity)
+        width = max(old_bias.shape[1], self.prompt_bias.shape[1])
+        self.prompt_keys = [torch.cat([_left_pad(a, width), _left_pad(b, width)], dim=1)
+                            for a, b in zip(old_keys, self.prompt_keys)]
+        self.prompt_values = [torch.cat([_left_pad(a, width), _left_pad(b, width)], dim=1)
+                              for a, b in zip(old_values, self.prompt_values)]
+        self.prompt_bias = torch.cat([_left_pad_bias(old_bias, width), _left_pad_bias(self.prompt_bias, width)])
+        old_rows, new_rows = len(old_positions), len(self.positions)
+        self.keys = [self._empty(capacity, old_rows + new_rows) for _ in self.layers]
+        self.values = [self._empty(capacity, old_rows + new_rows) for _ in self.layers]
+        self.positions = torch.cat([old_positions, self.positions])
+        self._rope(int(self.positions.max()) + capacity + 1)
+        rows_prompt = torch.cat([torch.arange(old_rows, device=self.device), old_rows + self.rows_prompt])
+        self._regroup(rows_prompt)
+        return logits
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` generated columns per row (copying the generated KV when it grows)."""
+        if not self.keys or self.keys[0].shape[0] >= capacity:
+            return
+        for caches in (self.keys, self.values):
+            for index, cache in enumerate(caches):
+                grown = self._empty(capacity, cache.shape[1])
+                grown[: self.length] = cache[: self.length]
+                caches[index] = grown
+        self._rope(int(self.positions.max()) + capacity - self.length + 1)
+
+    def _folded(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Per running row: its prompt KV then its generated KV, as one prompt slot per row ([P + t, rows, ...])
+        and the bias over those columns."""
+        rows_prompt, length = self.rows_prompt, self.length
+        keys = [torch.cat([p.index_select(1, rows_prompt), k[:length]]) for p, k in zip(self.prompt_keys, self.keys)]
+        values = [torch.cat([p.index_select(1, rows_prompt), v[:length]])
+                  for p, v in zip(self.prompt_values, self.values)]
+        bias = self.prompt_bias[rows_prompt]
+        bias = torch.cat([bias, bias.new_zeros(len(rows_prompt), length)], dim=1)
+        return keys, values, bias
+
     def release(self) -> None:
         self.keys, self.values, self.prompt_keys, self.prompt_values = [], [], [], []
+
+
+def _left_pad(cache: torch.Tensor, width: int) -> torch.Tensor:
+    """A time-major prompt cache [P, prompts, ...] padded on the left to `width` columns (masked by the bias)."""
+    if cache.shape[0] == width:
+        return cache
+    return torch.cat([cache.new_zeros(width - cache.shape[0], *cache.shape[1:]), cache])
+
+
+def _left_pad_bias(bias: torch.Tensor, width: int) -> torch.Tensor:
+    if bias.shape[1] == width:
+        return bias
+    return torch.cat([bias.new_full((bias.shape[0], width - bias.shape[1]), float("-inf")), bias], dim=1)

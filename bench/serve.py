@@ -1,0 +1,191 @@
+"""Served vs offline: 64 concurrent streaming chat clients against `posttrain serve`, on tiny-3m.
+
+    .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto] [--threads N]
+
+One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
+(`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn beside it). Per repeat, in turn:
+
+* served: ``--clients`` concurrent streaming chat requests from the official `openai` async client (in this
+  process, on the same cores as the server), temperature 1, request i seeded with i; completion tokens/s over
+  the wall time from the first request sent to the last stream closed, and each request's time to first token
+  (its first content chunk);
+* offline: the same engine (`HFEngine` loaded from the same checkpoint, in this process) generating the same
+  prompts in one ``generate`` call with the same per-request seeds — so both sides sample the same tokens;
+* baseline: transformers' ``model.generate`` on the same model, one request at a time (what a server without
+  batching does); its time to first token for request i is when its turn comes plus its first token.
+
+Figures are medians over the repeats (the machine is shared). Ends with one JSON line; ``ratio`` is served
+tokens/s over offline tokens/s (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.models import build_tiny_model, save_model_dir, train_tokenizer
+from posttrain.serve import free_port, load_engine
+from posttrain.types import GenerationRequest, SamplingParams
+
+MODEL = "tiny-3m"
+
+
+def make_checkpoint(directory: Path) -> Path:
+    rng = random.Random(0)
+    corpus = [f"What is {rng.randint(0, 999)} + {rng.randint(0, 999)}? Think step by step." for _ in range(500)]
+    corpus += [f"{a} + {b} = {a + b}. The answer is {a + b}." for a, b in ((rng.randint(0, 99), 7) for _ in range(500))]
+    tokenizer = train_tokenizer(corpus, vocab_size=512)
+    save_model_dir(directory, build_tiny_model(MODEL, tokenizer, seed=0), tokenizer)
+    return directory
+
+
+def chats(clients: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"What is {17 * i + 3} + {29 * i + 11}?"}] for i in range(clients)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def served(url: str, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def one(index: int, messages: list[dict], started: float) -> tuple[int, float]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, seed=index, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True})
+        first, tokens = None, 0
+        async for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - started
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first if first is not None else time.perf_counter() - started
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(i, m, started) for i, m in enumerate(prompts)))
+    seconds = time.perf_counter() - started
+    await client.close()
+    return sum(t for t, _ in results), seconds, [f for _, f in results]
+
+
+def offline(engine, prompt_ids: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, include_stop_in_output=False)
+    started = time.perf_counter()
+    groups = engine.generate([GenerationRequest(p) for p in prompt_ids], sampling,
+                             request_seeds=list(range(len(prompt_ids))))
+    return sum(len(g[0].token_ids) for g in groups), time.perf_counter() - started
+
+
+def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> tuple[int, float, list[float]]:
+    """transformers' generate, one request after another; TTFT = when the request's turn came + prefill."""
+    tokens, ttfts = 0, []
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            turn = time.perf_counter() - started
+            inputs = torch.tensor([ids])
+            first = time.perf_counter()
+            model(input_ids=inputs)  # the prefill: when its first token would be there
+            ttfts.append(turn + time.perf_counter() - first)
+            output = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=True, top_k=0,
+                                    max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
+            new = output[0, len(ids):].tolist()
+            if tokenizer.eos_token_id in new:
+                new = new[: new.index(tokenizer.eos_token_id)]
+            tokens += len(new)
+    return tokens, time.perf_counter() - started, ttfts
+
+
+def start_server(checkpoint: Path, port: int, precision: str, threads: int | None) -> subprocess.Popen:
+    source = Path(__file__).resolve().parent.parent / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--model-name", MODEL,
+         "--precision", precision, *(["--threads", str(threads)] if threads else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    banner = process.stdout.readline()
+    if "127.0.0.1" not in banner:
+        process.kill()
+        raise SystemExit(f"the server did not start: {banner}{process.stdout.read()}")
+    return process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = make_checkpoint(Path(scratch) / MODEL)
+        engine = load_engine(checkpoint, precision=args.precision, num_threads=args.threads)
+        prompts = chats(args.clients)
+        prompt_ids = []
+        for messages in prompts:
+            encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+        port = free_port()
+        server = start_server(checkpoint, port, args.precision, args.threads)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            asyncio.run(served(url, prompts[:4], 4))  # warm-up: first requests, first decode steps
+            offline(engine, prompt_ids[:4], 4)
+            served_rates, offline_rates, ttft50, ttft95 = [], [], [], []
+            for repeat in range(args.repeats):
+                order = ("served", "offline") if repeat % 2 == 0 else ("offline", "served")
+                for side in order:
+                    if side == "served":
+                        tokens, seconds, ttfts = asyncio.run(served(url, prompts, args.max_tokens))
+                        served_rates.append(tokens / seconds)
+                        ttft50.append(percentile(ttfts, 0.5))
+                        ttft95.append(percentile(ttfts, 0.95))
+                    else:
+                        tokens, seconds = offline(engine, prompt_ids, args.max_tokens)
+                        offline_rates.append(tokens / seconds)
+                print(f"repeat {repeat}: served {served_rates[-1]:,.0f} tok/s, offline {offline_rates[-1]:,.0f} "
+                      f"tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        base_tokens, base_seconds, base_ttfts = baseline(engine.model, engine.tokenizer, prompt_ids,
+                                                         args.max_tokens)
+
+    served_rate, offline_rate = statistics.median(served_rates), statistics.median(offline_rates)
+    result = {
+        "bench": "serve", "model": MODEL, "clients": args.clients, "max_tokens": args.max_tokens,
+        "repeats": args.repeats, "precision": args.precision, "threads": torch.get_num_threads(),
+        "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
+        "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
+        "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
+        "baseline_tokens_per_s": round(base_tokens / base_seconds, 1),
+        "baseline_ttft_p50_ms": round(percentile(base_ttfts, 0.5) * 1000, 1),
+        "baseline_ttft_p95_ms": round(percentile(base_ttfts, 0.95) * 1000, 1),
+        "served_over_baseline": round(served_rate / (base_tokens / base_seconds), 2),
+        "ratio": round(served_rate / offline_rate, 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""`posttrain serve CHECKPOINT` and `posttrain chat CHECKPOINT`: use a trained model (see docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("checkpoint", help="a Hugging Face model directory (e.g. runs/sft/final)")
+    sub.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    sub.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                     help="matmul precision (auto: bf16 where the device runs it fast)")
+    sub.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
+    if name == "serve":
+        sub.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                         help="hf: the built-in engine with continuous batching; vllm: GPU (untested here)")
+        sub.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+        sub.add_argument("--port", type=int, default=8000)
+        sub.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+        sub.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
+        sub.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together at most")
+    else:
+        sub.add_argument("--system", default=None, help="system prompt")
+        sub.add_argument("--temperature", type=float, default=0.7)
+        sub.add_argument("--top-p", type=float, default=1.0)
+        sub.add_argument("--max-tokens", type=int, default=256)
+        sub.add_argument("--seed", type=int, default=None)
+        sub.add_argument("--tools", default="", help="comma-separated built-in tools the model may call "
+                         "(e.g. calculator)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from posttrain.serve import make_backend
+    from posttrain.serve import serve as run
+
+    options = {"device": args.device, "precision": args.precision, "num_threads": args.threads,
+               "max_batch_size": args.max_batch_size}
+    backend = make_backend(args.checkpoint, args.engine, **(options if args.engine == "hf" else {}))
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    run(backend, name, host=args.host, port=args.port, api_key=args.api_key,
+        ready=lambda url: print(f"[serve] {name} at {url}/v1 (Ctrl-C stops)", flush=True))
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    from posttrain.serve import load_engine
+    from posttrain.serve.chat import ChatSettings, run_chat
+
+    engine = load_engine(args.checkpoint, device=args.device, precision=args.precision, num_threads=args.threads)
+    settings = ChatSettings(system=args.system, temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed,
+                            tools=[t for t in args.tools.split(",") if t])
+    run_chat(engine, settings, sys.stdin, sys.stdout)
+    return 0

@@ -1,0 +1,228 @@
+"""What the HTTP layer talks to: a `Backend` takes a `StreamRequest` and yields its events on the event loop.
+
+* `HFBackend`: the built-in engine under a `ContinuousBatcher`. Its loop runs on a thread of its own
+  (`run`: the CLI gives it the main thread, which owns torch's OpenMP pool); after every decode step one
+  ``call_soon_threadsafe`` wakes the requests that got tokens, so the event loop pays one wake-up per step,
+  not one per token. A stream whose consumer goes away (client disconnect) cancels its request, which frees
+  its rows at the next step.
+* `VLLMBackend` (UNTESTED: no GPU or vLLM here): `VLLMEngine.generate` on the waiting requests, grouped by
+  sampling settings, in a worker thread; tokens arrive when a whole batch is done (vLLM's own continuous
+  batching runs inside one call; it is not exposed step by step through the offline API it is built on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from posttrain.rollout.continuous import ContinuousBatcher, SequenceEvent, StreamRequest
+from posttrain.rollout.errors import RolloutError
+from posttrain.serve.errors import APIError
+from posttrain.types import GenerationRequest
+
+Disconnected = Callable[[], Awaitable[bool]]
+_POLL_S = 0.25  # how often a non-streaming request checks whether its client is still there
+
+
+class Backend(Protocol):
+    tokenizer: Any
+    max_length: int | None
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Raise APIError(400) when the prompt cannot be served (empty, unknown ids, no room in the context)."""
+
+    def cancel(self, request: StreamRequest) -> None: ...
+
+    def events(self, request: StreamRequest, disconnected: Disconnected | None = None
+               ) -> AsyncIterator[list[SequenceEvent]]: ...
+
+
+class _Signals:
+    """Per request an asyncio.Event on the server's loop, set from the engine's thread."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.events: dict[int, asyncio.Event] = {}
+
+    def open(self, request: StreamRequest) -> asyncio.Event:
+        self.loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        self.events[id(request)] = event
+        return event
+
+    def close(self, request: StreamRequest) -> None:
+        self.events.pop(id(request), None)
+
+    def notify(self, requests: list[StreamRequest]) -> None:
+        """Called on the engine's thread: one wake-up for all `requests`."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._set, [id(r) for r in requests])
+
+    def _set(self, keys: list[int]) -> None:
+        for key in keys:
+            event = self.events.get(key)
+            if event is not None:
+                event.set()
+
+
+async def _follow(request: StreamRequest, signal: asyncio.Event, cancel: Callable[[StreamRequest], None],
+                  disconnected: Disconnected | None) -> AsyncIterator[list[SequenceEvent]]:
+    finished = False
+    try:
+        while True:
+            if disconnected is None:
+                await signal.wait()
+            else:
+                try:
+                    await asyncio.wait_for(signal.wait(), timeout=_POLL_S)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        return
+                    continue
+            signal.clear()
+            batch = request.drain()
+            if request.error is not None:
+                raise APIError(500, str(request.error), type="server_error")
+            if batch:
+                yield batch
+            if request.done and not request._events:
+                finished = True
+                return
+    finally:
+        if not finished:
+            cancel(request)
+
+
+class HFBackend:
+    """The built-in engine with continuous batching; see the module docstring."""
+
+    def __init__(self, batcher: ContinuousBatcher):
+        self.batcher = batcher
+        self.tokenizer = batcher.engine.tokenizer
+        self.max_length = batcher.engine.max_length
+        self._signals = _Signals()
+        batcher.on_step = self._signals.notify
+
+    @property
+    def waiting(self) -> int:
+        return self.batcher.waiting
+
+    @property
+    def running(self) -> int:
+        return self.batcher.running
+
+    def run(self, stop: threading.Event) -> None:
+        self.batcher.run(stop)
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        try:
+            self.batcher.room(prompt, max_new_tokens)
+        except RolloutError as error:
+            raise APIError(400, str(error), param="messages", code="context_length_exceeded"
+                           if "context" in str(error) else None) from None
+
+    def cancel(self, request: StreamRequest) -> None:
+        self.batcher.cancel(request)
+
+    async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
+                     ) -> AsyncIterator[list[SequenceEvent]]:
+        signal = self._signals.open(request)
+        try:
+            try:
+                self.batcher.submit(request)
+            except RolloutError as error:
+                raise APIError(400, str(error)) from None
+            async for batch in _follow(request, signal, self.batcher.cancel, disconnected):
+                yield batch
+        finally:
+            self._signals.close(request)
+
+
+class VLLMBackend:
+    """`VLLMEngine` behind the same interface (UNTESTED here; see the module docstring)."""
+
+    def __init__(self, engine: Any, max_length: int | None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_length = max_length
+        self._signals = _Signals()
+        self._queue: list[StreamRequest] = []
+        self._running = 0
+        self._wake = threading.Condition()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            with self._wake:
+                if not self._queue:
+                    self._wake.wait(timeout=0.05)
+                batch, self._queue = self._queue, []
+            groups: dict[tuple, list[StreamRequest]] = {}
+            for request in batch:
+                if not request.cancelled:
+                    key = request.sampling.batch_key(ignore_seed=True)
+                    groups.setdefault(key, []).append(request)
+            for group in groups.values():
+                self._generate(group)
+
+    def _generate(self, group: list[StreamRequest]) -> None:
+        self._running = sum(r.sampling.n for r in group)
+        sampling = dataclasses.replace(group[0].sampling, seed=None)
+        try:
+            results = self.engine.generate([GenerationRequest(r.prompt_token_ids) for r in group], sampling,
+                                           request_seeds=[r.sampling.seed for r in group])
+        except Exception as error:  # noqa: BLE001 - fail this group, keep serving
+            for request in group:
+                request.error = error
+            self._signals.notify(group)
+            return
+        finally:
+            self._running = 0
+        for request, completions in zip(group, results):
+            for index, completion in enumerate(completions):
+                request.completions[index] = completion
+                for position, (token, logprob) in enumerate(zip(completion.token_ids, completion.logprobs)):
+                    last = position == len(completion.token_ids) - 1
+                    request._events.append(SequenceEvent(index, token, logprob,
+                                                         completion=completion if last else None))
+                if not completion.token_ids:
+                    request._events.append(SequenceEvent(index, -1, 0.0, completion=completion))
+        self._signals.notify(group)
+
+    def cancel(self, request: StreamRequest) -> None:
+        request.cancelled = True
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise APIError(400, "empty prompt")
+        if self.max_length is not None and len(prompt) >= self.max_length:
+            raise APIError(400, f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                           f"{self.max_length} tokens", code="context_length_exceeded")
+
+    async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
+                     ) -> AsyncIterator[list[SequenceEvent]]:
+        signal = self._signals.open(request)
+        with self._wake:
+            self._queue.append(request)
+            self._wake.notify()
+        try:
+            async for batch in _follow(request, signal, self.cancel, disconnected):
+                yield batch
+        finally:
+            self._signals.close(request)

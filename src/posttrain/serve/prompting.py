@@ -1,0 +1,149 @@
+"""From OpenAI messages to prompt token ids, and from sampled tokens back to content, deltas and tool calls.
+
+The chat template is the tokenizer's own (posttrain's models carry theirs); OpenAI's ``tools`` are handed to it
+as they come (``apply_chat_template(tools=...)``), and an assistant message's ``tool_calls`` are given to the
+template as dicts (their JSON-string ``arguments`` parsed), which is how the built-in template renders them.
+
+Tool calls in the model's output are read with the model's own syntax (`posttrain.envs.parsing`, the
+``<tool_call>{json}</tool_call>`` blocks posttrain's templates and tool environments use). ``tool_choice``
+``"required"`` or a named function cannot be enforced on a free-running model; the server starts the assistant's
+turn with the opening of a call instead (``<tool_call>{"name": "`` or ``<tool_call>{"name": "NAME",
+"arguments":``), so the model writes the rest — the opening counts as part of the turn when it is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.envs.parsing import TagJsonParser
+from posttrain.serve.errors import APIError
+from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+
+TOOL_OPEN = "<tool_call>"
+_PARSER = TagJsonParser()
+
+
+@dataclass
+class ChatPrompt:
+    token_ids: list[int]
+    forced_prefix: str  # the opening of a tool call the server wrote for the model ("" when none)
+    parse_tools: bool  # whether tool calls in the output become `tool_calls`
+
+
+def hf_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as the dicts a Hugging Face chat template takes."""
+    rendered = []
+    for position, message in enumerate(messages):
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": message.text()}
+        if message.tool_calls:
+            calls = []
+            for call in message.tool_calls:
+                arguments = call.function.arguments
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments.strip() else {}
+                    except json.JSONDecodeError as error:
+                        raise APIError(400, f"messages[{position}].tool_calls: arguments are not JSON ({error})",
+                                       param=f"messages[{position}].tool_calls") from None
+                calls.append({"type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            item["tool_calls"] = calls
+        if message.tool_call_id:
+            item["tool_call_id"] = message.tool_call_id
+        if message.name:
+            item["name"] = message.name
+        rendered.append(item)
+    return rendered
+
+
+def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt:
+    """The prompt token ids of a chat request (the generation prompt included)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    try:
+        encoded = tokenizer.apply_chat_template(hf_messages(request.messages), tools=tools,
+                                                add_generation_prompt=True, tokenize=True)
+    except APIError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a template refusing these messages is the request's fault
+        raise APIError(400, f"messages: the model's chat template cannot render them ({error})",
+                       param="messages") from None
+    ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    choice = request.tool_choice
+    prefix = ""
+    if isinstance(choice, NamedToolChoice):
+        # No space after the colon: a BPE tokenizer would make it a token of its own, where the model learned
+        # it merged with what follows (' {"').
+        prefix = TOOL_OPEN + json.dumps({"name": choice.function.name})[:-1] + ', "arguments":'
+    elif choice == "required":
+        prefix = TOOL_OPEN + '{"name": "'
+    if prefix:
+        ids += tokenizer.encode(prefix, add_special_tokens=False)
+    return ChatPrompt(ids, prefix, bool(request.tools) and choice != "none")
+
+
+def tool_calls_of(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The content outside well-formed call blocks, and the calls in OpenAI's shape."""
+    turn = _PARSER.parse(text)
+    calls = [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        for call in turn.well_formed
+    ]
+    return (turn.content if calls else text), calls
+
+
+class TextStream:
+    """Turns one sequence's tokens into safe-to-send text deltas while it is being sampled.
+
+    Held back: an incomplete UTF-8 character (decoded as U+FFFD), the last ``len(stop) - 1`` characters (they
+    may begin a stop string), and, when tool calls are parsed, everything from the opening of a call on. The
+    finished sequence's text is the engine's cut text (stop strings removed), from which `finish` sends the rest.
+    """
+
+    def __init__(self, tokenizer: Any, stops: list[str], parse_tools: bool, forced_prefix: str = ""):
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.parse_tools = parse_tools
+        self.forced_prefix = forced_prefix
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        if self.forced_prefix:
+            return ""  # the whole turn is a tool call
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        safe = len(text) - self.hold
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if self.parse_tools:
+            opened = text.find(TOOL_OPEN)
+            if opened >= 0:
+                safe = min(safe, opened)
+            else:
+                safe = min(safe, _partial_suffix(text, TOOL_OPEN))
+        return self._send(text[:max(safe, len(self.sent))])
+
+    def finish(self, final_text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The last content delta and the tool calls, given the finished sequence's text."""
+        content, calls = final_text, []
+        if self.parse_tools:
+            content, calls = tool_calls_of(self.forced_prefix + final_text)
+        return self._send(content), calls
+
+    def _send(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Where a proper prefix of `tag` ending the text starts (len(text) when none)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return len(text) - size
+    return len(text)

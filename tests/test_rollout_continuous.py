@@ -1,0 +1,98 @@
+"""`ContinuousBatcher`: requests joining a running batch sample exactly what the engine samples for each alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from posttrain.models import build_tiny_model
+from posttrain.rollout import HFEngine
+from posttrain.rollout.continuous import ContinuousBatcher, StreamRequest
+from posttrain.rollout.errors import RolloutError
+from posttrain.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Decoding a tiny model on a shared CPU: 2 OpenMP threads spinning against other processes made these
+    # tests minutes long; 1 thread keeps them at seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    texts = [f"What is {i} + {3 * i}? " * (1 + i % 3) for i in range(10)]
+    return [tiny_tokenizer(t)["input_ids"] for t in texts]
+
+
+def _requests(prompts):
+    requests = []
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(max_new_tokens=6 + 3 * i, temperature=0 if i % 2 else 0.9,
+                                  top_p=0.8 if i % 3 == 0 else 1.0, n=2 if i % 4 == 0 else 1, seed=100 + i)
+        requests.append(StreamRequest(prompt, sampling, top_logprobs=2 if i == 3 else 0))
+    return requests
+
+
+def _alone(engine, request):
+    return engine.generate([GenerationRequest(request.prompt_token_ids)], request.sampling,
+                           request_seeds=[request.sampling.seed])[0]
+
+
+@pytest.mark.parametrize("runner", ["fast", "generic"])
+def test_staggered_arrivals_sample_what_each_request_samples_alone(tiny_tokenizer, prompts, runner):
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer, runner=runner)
+    batcher = ContinuousBatcher(engine)
+    requests = _requests(prompts)
+    pending, step, peak = requests[:], 0, 0
+    while pending or batcher.running or batcher.waiting:
+        if pending and step % 2 == 0:  # one arrival every other step, while the others decode
+            batcher.submit(pending.pop(0))
+        batcher.step()
+        peak = max(peak, batcher.running)
+        step += 1
+    if runner == "fast":
+        assert peak >= 6, "arrivals did not join the running batch"
+    for request in requests:
+        for got, want in zip(request.completions, _alone(engine, request), strict=True):
+            assert got.token_ids == want.token_ids
+            assert got.text == want.text and got.finish_reason == want.finish_reason
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    events = requests[3].drain()
+    assert events[-1].completion is requests[3].completions[0]
+    assert all(len(e.top_logprobs) == 2 for e in events)
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_a_waiting_one_takes_its_slot(tiny_tokenizer, prompts):
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    batcher = ContinuousBatcher(engine, max_batch_size=2)
+    long = [batcher.submit(StreamRequest(prompts[i], SamplingParams(max_new_tokens=500, temperature=1.0),
+                                         ignore_eos=True)) for i in range(2)]
+    third = batcher.submit(StreamRequest(prompts[2], SamplingParams(max_new_tokens=4, temperature=0)))
+    for _ in range(3):
+        batcher.step()
+    assert batcher.running == 2 and batcher.waiting == 1  # full: the third waits
+    batcher.cancel(long[0])
+    batcher.step()
+    assert batcher.waiting == 0 and third.first_token_s is not None  # it took the freed slot at once
+    while not third.done:
+        batcher.step()
+    assert third.completions[0].token_ids == _alone(engine, third)[0].token_ids
+    assert len(long[1].drain()) > 3 and not long[1].done  # the other long one kept decoding
+    batcher.cancel(long[1])
+    batcher.step()
+    assert batcher.running == 0
+
+
+def test_requests_it_cannot_serve_are_refused_when_submitted(tiny_tokenizer):
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    batcher = ContinuousBatcher(engine)
+    with pytest.raises(RolloutError, match="context"):
+        batcher.submit(StreamRequest([5] * 1024, SamplingParams()))
+    with pytest.raises(RolloutError, match="token ids"):
+        batcher.submit(StreamRequest([10**6], SamplingParams()))
+    with pytest.raises(RolloutError, match="top_p"):
+        batcher.submit(StreamRequest([5], SamplingParams(top_p=0)))
+    assert batcher.waiting == 0

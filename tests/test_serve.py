@@ -1,0 +1,321 @@
+"""`posttrain serve`: a real uvicorn server on 127.0.0.1 driven by the official `openai` client.
+
+The model is a tiny Llama trained for a few seconds to call the calculator (tests/serve_support.py) and
+saved as a checkpoint; the server loads it from disk like `posttrain serve` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from posttrain.rollout.continuous import ContinuousBatcher
+from posttrain.serve import HFBackend, free_port, make_backend, start_server
+from posttrain.types import GenerationRequest, SamplingParams
+from serve_support import ANSWER, CALCULATOR, QUESTION, train_tool_model
+
+MODEL = "tiny-tools"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer) -> Path:
+    return train_tool_model(tiny_tokenizer, tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    backend = make_backend(checkpoint, precision="fp32", num_threads=1)
+    with start_server(backend, MODEL) as handle:
+        yield handle
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _alone(server, messages: list[dict], max_tokens: int) -> str:
+    """What the engine generates for this chat on its own (offline `generate`, greedy)."""
+    engine = server.backend.batcher.engine
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=0, include_stop_in_output=False)
+    return engine.generate([GenerationRequest(ids)], sampling)[0][0].text
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _post(url: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# ---- the endpoints ---------------------------------------------------------------------------------------
+
+
+def test_models_health_and_a_greedy_chat_equal_to_the_engine_alone(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _get(server.url + "/health")[0] == 200
+    reply = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0, max_tokens=24)
+    assert reply.choices[0].message.content == _alone(server, _user("Say hello."), 24)
+    assert reply.choices[0].message.content.startswith("Hello there")
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
+
+
+def test_async_and_streaming_chat_give_the_same_text(server, client):
+    async def both():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        whole = await aclient.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0,
+                                                      max_tokens=24)
+        stream = await aclient.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0,
+                                                       max_tokens=24, stream=True,
+                                                       stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        await aclient.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(both())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # streamed in pieces
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_samples_seeds_and_stop(client):
+    messages = _user("Tell me something.")
+    first = client.chat.completions.create(model=MODEL, messages=messages, n=3, temperature=1.0, seed=7,
+                                           max_tokens=12)
+    again = client.chat.completions.create(model=MODEL, messages=messages, n=3, temperature=1.0, seed=7,
+                                           max_tokens=12)
+    texts = [c.message.content for c in first.choices]
+    assert len(texts) == 3 and [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]  # a seed repeats
+    assert len(set(texts)) > 1  # the n samples are different draws
+    greedy = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0, max_tokens=24)
+    cut = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0, max_tokens=24,
+                                         stop=["there"])
+    assert cut.choices[0].message.content == greedy.choices[0].message.content.split("there")[0]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_top_logprobs(client):
+    reply = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0, max_tokens=6,
+                                           logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    assert "".join(e.token for e in entries).startswith("Hello")
+
+
+def test_a_tool_call_round_trip(client):
+    messages = _user(QUESTION)
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0,
+                                           max_tokens=60)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "2+3"}
+    assert not choice.message.content
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0,
+                                            max_tokens=30)
+    assert second.choices[0].message.content == ANSWER
+    assert second.choices[0].finish_reason == "stop"
+
+
+def test_a_streamed_tool_call_and_a_forced_tool_choice(client):
+    stream = client.chat.completions.create(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                            temperature=0, max_tokens=60, stream=True)
+    chunks = list(stream)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["calculator"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""  # the call's text is not content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    forced = client.chat.completions.create(
+        model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR], temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "calculator"}})
+    assert forced.choices[0].message.tool_calls[0].function.name == "calculator"
+
+
+def test_text_completions(client):
+    reply = client.completions.create(model=MODEL, prompt=["<|user|>Say hello.<|end|><|assistant|>", "1+1="],
+                                      temperature=0, max_tokens=8, logprobs=2)
+    assert len(reply.choices) == 2
+    assert reply.choices[0].text.startswith("Hello")
+    assert len(reply.choices[0].logprobs.tokens) == len(reply.choices[0].logprobs.token_logprobs) > 0
+    streamed = client.completions.create(model=MODEL, prompt="<|user|>Say hello.<|end|><|assistant|>",
+                                         temperature=0, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
+
+
+# ---- bad requests ----------------------------------------------------------------------------------------
+
+
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
+    cases = [
+        (dict(model="nope", messages=_user("hi")), 404, "model"),
+        (dict(model=MODEL, messages=_user("hi " * 3000)), 400, "context"),
+        (dict(model=MODEL, messages=_user("hi"), max_tokens=5000), 400, "context"),
+        (dict(model=MODEL, messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
+        (dict(model=MODEL, messages=[{"role": "user"}]), 400, "content"),
+        (dict(model=MODEL, messages=[]), 400, "messages"),
+        (dict(model=MODEL, messages=_user("hi"), temperature=-1), 400, "temperature"),
+        (dict(model=MODEL, messages=_user("hi"), top_p=0), 400, "top_p"),
+        (dict(model=MODEL, messages=_user("hi"), n=0), 400, "n"),
+        (dict(model=MODEL, messages=_user("hi"), top_logprobs=3), 400, "top_logprobs"),
+        (dict(model=MODEL, messages=_user("hi"), tool_choice="required"), 400, "tool"),
+        (dict(model=MODEL, messages=_user("hi"), frequency_penalty=1.0), 400, "penalt"),
+        (dict(model=MODEL, messages=_user("hi"), bogus_field=1), 400, "bogus_field"),
+    ]
+    for body, status, words in cases:
+        code, payload = _post(server.url + "/v1/chat/completions", body)
+        assert code == status, (body, payload)
+        assert set(payload["error"]) >= {"message", "type", "param", "code"}
+        assert words in payload["error"]["message"], payload
+    code, payload = _post(server.url + "/v1/chat/completions", b"{not json")
+    assert code == 400 and "JSON" in payload["error"]["message"]
+    code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": [[99999]]})
+    assert code == 400 and "token ids" in payload["error"]["message"]
+    assert _get(server.url + "/v1/nothing")[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=_user("hi"))
+    assert client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=2).choices
+
+
+# ---- continuous batching ---------------------------------------------------------------------------------
+
+
+def test_a_request_joins_a_running_one_and_a_disconnect_frees_its_slot(server, client):
+    batcher = server.backend.batcher
+    long_stream = client.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."),
+                                                 max_tokens=900, temperature=1.0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+    iterator = iter(long_stream)
+    next(iterator), next(iterator)  # the role chunk, then the first tokens: the long request is decoding
+    short = client.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=5, temperature=0)
+    assert short.choices[0].finish_reason == "length"
+    assert batcher.running == 1, "the long request must still be running when the short one is done"
+    tokens_before = batcher.completion_tokens
+    long_stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while batcher.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batcher.running == 0 and batcher.waiting == 0
+    assert batcher.completion_tokens - tokens_before < 850, "the cancelled request kept decoding"
+
+
+def test_64_concurrent_clients_get_what_each_gets_alone(server):
+    prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(64)]
+    expected = [_alone(server, messages, 16) for messages in prompts]
+
+    async def ask_all():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(messages, stream):
+            if not stream:
+                reply = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                              max_tokens=16)
+                return reply.choices[0].message.content
+            chunks = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                           max_tokens=16, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in enumerate(prompts)))
+        finally:
+            await aclient.close()
+
+    steps_before = server.backend.batcher.steps
+    got = asyncio.run(ask_all())
+    assert got == expected
+    assert server.backend.batcher.steps - steps_before < 64 * 16 / 4, "the requests were not batched together"
+
+
+def test_metrics_count_requests_tokens_and_timings(server, client):
+    client.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=4, temperature=0)
+    code, text = _get(server.url + "/metrics")
+    assert code == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['posttrain_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert values["posttrain_completion_tokens_total"] >= 4
+    assert values["posttrain_prompt_tokens_total"] > 0
+    assert values["posttrain_time_to_first_token_seconds_count"] >= 1
+    assert values["posttrain_request_latency_seconds_count"] >= 1
+    assert "posttrain_queue_depth" in values
+
+
+def test_an_api_key_is_required_when_set(server):
+    engine = server.backend.batcher.engine
+    with start_server(HFBackend(ContinuousBatcher(engine)), MODEL, api_key="s3cret") as keyed:
+        code, body = _get(keyed.url + "/v1/models")
+        assert code == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert _post(keyed.url + "/v1/chat/completions", {"model": MODEL, "messages": _user("hi")})[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=2).choices
+        assert _get(keyed.url + "/health")[0] == 200  # probes need no key
+
+
+# ---- the command ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_serve_command_requires_its_api_key(checkpoint):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--api-key", "s3cret",
+         "--model-name", MODEL, "--precision", "fp32", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        banner = process.stdout.readline()
+        assert f"127.0.0.1:{port}" in banner, banner
+        url = f"http://127.0.0.1:{port}"
+        code, body = _get(url + "/v1/models")
+        assert code == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        reply = keyed.chat.completions.create(model=MODEL, messages=_user("Say hello."), temperature=0, max_tokens=8)
+        assert reply.choices[0].message.content.startswith("Hello")
+        assert _get(url + "/health")[0] == 200  # probes need no key
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
