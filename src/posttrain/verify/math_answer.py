@@ -31,7 +31,7 @@ _GSM = re.compile(r"(?m)^[ \t]*####[ \t]*(.+)$")
 _HEDGE = re.compile(
     r"\bor\b|\\lor\b|\\vee\b|\bnor\b|\beither\b|\bmaybe\b|\bperhaps\b|\bprobably\b|\bpossibly\b|\blikely\b"
     r"|\bapprox|\\approx|≈|\\sim\b|\?|\band/or\b|(?<!\\)\bto\b|\bbetween\b|\bat\s+(?:least|most)\b|\bnot\b"
-    r"|\bexcept\b|\b(?:more|less|fewer|greater|smaller)\s+than\b",
+    r"|\bexcept\b|\b(?:more|less|fewer|greater|smaller)\s+than\b|\b(?:more|less|fewer|above|below|if|unless)\b",
     re.IGNORECASE,
 )
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)

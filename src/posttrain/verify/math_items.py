@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+from posttrain.verify.math_rational import NOT_UNITS
+
 _SEPARATOR_WORD = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{\s*(or|and)\s*\}")
 _LABEL = re.compile(r"^\s*([A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?)\s*(?:=(?!=)|\\in\b)\s*")
 _THOUSANDS_MARKED = re.compile(r"(?<![\d.])(\d{1,3})((?:(?:,\\!|\{,\}|\\,|,)\d{3})+)(?![\d])")
@@ -26,9 +28,6 @@ _PERCENT_WORD = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*per\s?ce
 # units: after something numeric, a \text{...} of letters or up to three bare words, maybe squared/cubed
 _UNIT = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z./ ]*?)\s*\}|"
                    r"(?<![A-Za-z\\])([A-Za-z]{2,}(?:\s+[A-Za-z]+){0,2}))\s*(?:\^\{?[23]\}?)?\s*$")
-_NOT_UNITS = {"or", "and", "to", "not", "no", "nor", "than", "more", "less", "least", "most", "at", "maybe",
-              "either", "neither", "between", "except", "about", "around", "nearly", "roughly", "over", "under",
-              "pi", "i", "e", "infty", "approx", "sqrt", "frac", "cdot", "times", "ge", "le", "geq", "leq"}
 _NUMERIC_END = re.compile(r"(?:\d|\\pi|\}|\))\s*$")
 _TEXT_WRAPPER = re.compile(r"^\\(?:text|textbf|textrm|mathrm|mathbf|mbox|textit)\s*\{(.*)\}$", re.DOTALL)
 _WORDS = re.compile(r"[A-Za-z]{3,}(?: [A-Za-z]{2,})*")
@@ -58,7 +57,7 @@ def _strip_unit(s: str) -> str:
         return s
     words = (match.group(1) or match.group(2) or "").lower().replace(".", " ").replace("/", " ").split()
     rest = s[:match.start()]
-    if not words or any(word in _NOT_UNITS for word in words) or not _NUMERIC_END.search(rest):
+    if not words or any(word in NOT_UNITS for word in words) or not _NUMERIC_END.search(rest):
         return s
     return rest.rstrip()
 
