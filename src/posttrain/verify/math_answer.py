@@ -34,6 +34,7 @@ _HEDGE = re.compile(
     r"|\bexcept\b|\b(?:more|less|fewer|greater|smaller)\s+than\b|\b(?:more|less|fewer|above|below|if|unless)\b",
     re.IGNORECASE,
 )
+_PLUS_MINUS = re.compile(r"\\[pm][pm](?![A-Za-z])")
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 
 
@@ -169,6 +170,8 @@ def verify_math(completion: str, reference: str | int | float, *, timeout_s: flo
     items = _unique_items([item for stated in distinct for item in answer_items(stated)])
     if len(items) > len(expected):
         return _zero(FailureClass.WRONG_ANSWER, "answer_list", **details)
+    if any(_PLUS_MINUS.search(value) for _, value in items) and not _PLUS_MINUS.search(reference):
+        return _zero(FailureClass.WRONG_ANSWER, "hedged_answer", **details)  # several signs, not expanded
     if several:
         verdict = _same_set(expected, items, timeout_s)
         method = "solution_set"
