@@ -1,14 +1,20 @@
-"""Math answers: find the one final answer, refuse hedges, compare exactly when the reference is rational.
+"""Math answers: find the final answer, refuse hedges, compare item by item, exactly when the reference is rational.
 
 The final answer is the content of ``\\boxed{}`` (or ``\\fbox{}``); without a box, a stated answer line
-(``Answer: 12``, ``The final answer is 12``, ``#### 12``). Scored 0:
-* several different final answers (two boxes that disagree, two answer lines that disagree);
-* hedges: "3 or 4", "either", "maybe", "approximately", a question mark, ``\\pm`` the reference does not have;
-* answer lists: more top-level comma/semicolon/"and"-separated items than the reference has;
+(``Answer: 12``, ``The final answer is 12``, ``#### 12``). The reference and the answer are split into items
+(`posttrain.verify.math_items`): a reference with several items is a list of solutions (``1, 2, 3``,
+``a=4,-8,-10``, ``(11,7) \\text{ or } (7,11)``, ``\\{1, 2\\}``, ``1 \\pm \\sqrt{3}``), compared unordered, and
+its answer may come in several boxes, separated by "or"/"and", or with ``\\pm``; a pair, an interval, a vector
+is one item and keeps its order. Scored 0:
+* several different final answers when the reference is one item (two boxes or answer lines that disagree);
+* hedges: "3 or 4" (for one item), "either", "maybe", "approximately", "at least", "and more", a question mark,
+  ``\\pm`` the reference does not have (for one item; for a list of solutions it stands for two);
+* answer lists: more items than the reference has (``\\boxed{1, 2, 3}`` for ``2``; a fourth box for three roots);
 * an empty box, and answers longer than ``max_answer_chars`` (default: 3x the reference + 16, at least 32).
-Comparison: when both the reference and the answer are plain rational expressions, `fractions.Fraction`
-equality (exact: 1/2^99 is not 1/2^98); otherwise math-verify (LaTeX parsing only) in a worker process killed
-after ``timeout_s``, still requiring exact equality when the reference is rational.
+Comparison per item: text answers as text (``\\text{Evelyn}``, ``(C)``); after dropping thousands separators and
+units, when both sides are plain rational expressions, `fractions.Fraction` equality (exact: 1/2^99 is not
+1/2^98); otherwise math-verify (LaTeX parsing only) in a worker process killed after ``timeout_s`` (the unsettled
+pairs of a solution set go in one request), still requiring exact equality when the reference item is rational.
 """
 
 from __future__ import annotations

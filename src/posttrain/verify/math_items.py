@@ -4,8 +4,8 @@ Competition answers list solutions several ways: ``1, 2, 3``; ``a=4,-8,-10``; ``
 ``\\{1, 2\\}``; ``\\frac{-1 \\pm \\sqrt{5}}{2}``; ``(11,7) \\text{ or } (7,11)``. `answer_items` turns each into its
 items: the top-level pieces between commas, semicolons and the words "or"/"and" (brackets protect: ``(1,2)``,
 ``[1,3)`` and ``\\begin{pmatrix}...`` are one item, so a pair or an interval keeps its order); an outer ``\\{...\\}``
-is dropped; a label the items share (``x = 2, x = 3``, or one on the first item only) is dropped, while distinct
-labels (``x=1, y=2``) stay and are matched by name; an item with one ``\\pm``/``\\mp`` is two items.
+is dropped; each item keeps its label (``x`` of ``x = 2``; one on the first item only, ``a=4,-8,-10``, labels
+them all) so that the verifier can match ``x=1, y=2`` by name; an item with one ``\\pm``/``\\mp`` is two items.
 
 `tidy` makes one item comparable without changing its mathematics: thousands separators (``11,\\!111``,
 ``10{,}000``, ``12\\,000``, or ``1,234,567`` when that is the whole item), ``\\$``, a unit after a number
