@@ -7,6 +7,7 @@ matrices, and adversarial near misses). bench/math_recall.py prints the same fig
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -100,3 +101,15 @@ def test_a_batch_of_comparisons_runs_under_one_timeout():
         assert workers.check_pairs(pairs[:1], timeout_s=30) == [True]  # a fresh worker took over
     finally:
         workers.close()
+
+
+@pytest.mark.parametrize("reference, completion", [
+    ("1", "\\boxed{1" + " " * 50_000 + "1}\\boxed{1}"),  # a long box beside the answer: no quadratic regex
+    ("1, 2", r"\boxed{1}" * 20_000),
+    ("1, 2", "".join(r"\boxed{%s1}" % ("0" * (i % 50)) for i in range(15_000))),
+    ("1, 2", r"\boxed{" + "(" * 50_000 + "}"),
+])
+def test_many_or_long_boxes_are_judged_at_once(reference, completion):
+    started = time.monotonic()
+    assert not verify_math(completion, reference).passed
+    assert time.monotonic() - started < 2.0  # a guard against quadratic work (it took minutes), not a speed target

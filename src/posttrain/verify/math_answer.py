@@ -123,8 +123,8 @@ def _same_answer(a: str, b: str) -> bool:
 def _distinct(answers: list[str], at_most: int) -> list[str]:
     """The stated answers without repeats (the same answer boxed twice is one answer), at most `at_most` + 1."""
     distinct: list[str] = []
-    for answer in answers:
-        if not any(answer == seen or _same_answer(seen, answer) for seen in distinct):
+    for answer in dict.fromkeys(answers):  # the same text boxed a thousand times is compared once
+        if not any(_same_answer(seen, answer) for seen in distinct):
             distinct.append(answer)
             if len(distinct) > at_most:
                 break
@@ -157,6 +157,10 @@ def verify_math(completion: str, reference: str | int | float, *, timeout_s: flo
     answers = [_clean(a) for a in stated_answers(completion)]
     if not answers:
         return _zero(FailureClass.FORMAT, "no_final_answer")
+    limit = max_answer_chars or max(32, 3 * len(reference) + 16)
+    if any(len(a) > limit for a in answers):  # before comparing them: the boxes are the model's, any length
+        return _zero(FailureClass.WRONG_ANSWER, "answer_too_long", limit=limit,
+                     answer=next(a for a in answers if len(a) > limit)[:200], reference=reference)
     expected = _unique_items(answer_items(reference))
     several = len(expected) > 1  # a list of solutions: unordered, several boxes may hold it
     distinct = _distinct(answers, at_most=len(expected) if several else 1)
@@ -166,7 +170,6 @@ def verify_math(completion: str, reference: str | int | float, *, timeout_s: flo
     details: dict[str, Any] = {"answer": answer[:200], "reference": reference}
     if not answer:
         return _zero(FailureClass.FORMAT, "empty_answer", **details)
-    limit = max_answer_chars or max(32, 3 * len(reference) + 16)
     if len(answer) > limit:
         return _zero(FailureClass.WRONG_ANSWER, "answer_too_long", limit=limit, **details)
     if _hedges(answer, separators=several) - _hedges(reference, separators=several):
