@@ -216,11 +216,14 @@ def _same_item(reference: tuple[str | None, str], answer: tuple[str | None, str]
 def _same_set(expected: list[tuple[str | None, str]], items: list[tuple[str | None, str]],
               timeout_s: float) -> bool | str:
     """Whether the items are the expected ones in some order (in order when the reference names distinct
-    unknowns, x=1, y=2, and the answer does not): cheap verdicts first, the rest in one math-verify batch."""
+    unknowns, x=1, y=2, and the answer does not - but x_1, x_2 are roots in any order): cheap verdicts first,
+    the rest in one math-verify batch."""
     if len(items) != len(expected):
         return False
     labels = [label for label, _ in expected]
-    in_order = None not in labels and len(set(labels)) == len(labels) and any(label is None for label, _ in items)
+    family = {label.split("_")[0] for label in labels if label and "_" in label}  # x_1, x_2: roots, unordered
+    in_order = (None not in labels and len(set(labels)) == len(labels) and any(label is None for label, _ in items)
+                and not (len(family) == 1 and all("_" in label for label in labels)))
     equal: list[list[bool | None]] = [
         [False if (in_order and i != j) or _labels_clash(ref, ans) else _cheap_equal(ref[1], ans[1])[0]
          for j, ans in enumerate(items)] for i, ref in enumerate(expected)]
