@@ -40,6 +40,8 @@ _HEDGE = re.compile(
     r"|\bexcept\b|\b(?:more|less|fewer|greater|smaller)\s+than\b|\b(?:more|less|fewer|above|below|if|unless)\b",
     re.IGNORECASE,
 )
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_LETTERS = re.compile(r"[A-DF-HJ-Za-df-hj-z]")  # letters but e and i, after dropping commands
 _PLUS_MINUS = re.compile(r"\\[pm][pm](?![A-Za-z])")
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 
@@ -113,6 +115,8 @@ def _cheap_equal(reference: str, answer: str) -> tuple[bool | None, str]:
     exact, guess = parse_rational(reference), parse_rational(answer)
     if exact is not None and guess is not None:
         return exact == guess, "exact_rational"
+    if exact is not None and _LETTERS.search(_COMMAND.sub("", answer)):
+        return False, "exact_rational"  # a number is not "5ab" (math-verify reads the letters as a unit and drops them)
     return None, "math_verify"
 
 

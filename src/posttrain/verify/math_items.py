@@ -29,8 +29,10 @@ _THOUSANDS_PLAIN = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
 _PERCENT_WORD = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*per\s?cent\s*\}|per\s?cent)\s*$", re.IGNORECASE)
 # units: after something numeric, a \text{...} of letters or up to three bare words, maybe squared/cubed
 _UNIT = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z./ ]*?)\s*\}|"
-                   r"(?<![A-Za-z\\])([A-Za-z]{2,}(?:\s+[A-Za-z]+){0,2}))\s*(?:\^\{?[23]\}?)?\s*$")
-_NUMERIC_END = re.compile(r"(?:\d|\\pi|\}|\))\s*$")
+                   r"(?<=[\s~])([A-Za-z]{2,}(?:\s+[A-Za-z]+){0,2}))\s*(?:\^\{?[23]\}?)?\s*$")
+# a bare unit word is spaced off its number and is a known short unit or a word of 3+ letters ("5ab" is a product)
+_SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "in", "yd", "mi", "kg", "mg", "lb", "oz", "hr", "ml", "cc", "am", "pm"})
+_NUMERIC_END = re.compile(r"(?:\d|\\pi|\}|\))(?:\s|\\[,;:! ]|~)*$")
 _TEXT_WRAPPER = re.compile(r"^\\(?:text|textbf|textrm|mathrm|mathbf|mbox|textit)\s*\{(.*)\}$", re.DOTALL)
 _WORDS = re.compile(r"[A-Za-z]{3,}(?: [A-Za-z]{2,})*")
 _CHOICE = re.compile(r"\(?([A-Ea-e])\)?")
@@ -62,6 +64,8 @@ def _strip_unit(s: str) -> str:
     words = (match.group(1) or match.group(2) or "").lower().replace(".", " ").replace("/", " ").split()
     rest = s[:match.start()]
     if not words or any(word in NOT_UNITS for word in words) or not _NUMERIC_END.search(rest):
+        return s
+    if match.group(2) and len(words[0]) < 3 and words[0] not in _SHORT_UNITS:
         return s
     return rest.rstrip()
 
