@@ -113,3 +113,9 @@ def test_many_or_long_boxes_are_judged_at_once(reference, completion):
     started = time.monotonic()
     assert not verify_math(completion, reference).passed
     assert time.monotonic() - started < 2.0  # a guard against quadratic work (it took minutes), not a speed target
+
+
+def test_unbalanced_brackets_do_not_hide_a_list():
+    assert len(split_items(") 2, 3 (")) == 2 and len(split_items("(2, 3")) == 2
+    assert verify_math(r"\boxed{) 2, 3 (}", "2").details["reason"] == "answer_list"
+    assert verify_math(r"\boxed{2, (3}", "2").details["reason"] == "answer_list"

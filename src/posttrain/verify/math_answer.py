@@ -25,7 +25,7 @@ from typing import Any
 from posttrain.types import FailureClass, Reward
 from posttrain.verify.completion import strip_reasoning
 from posttrain.verify.errors import VerifyError
-from posttrain.verify.math_items import answer_items, text_answer, tidy
+from posttrain.verify.math_items import PLUS_MINUS, answer_items, text_answer, tidy
 from posttrain.verify.math_rational import normalize, parse_rational
 from posttrain.verify.math_worker import math_workers
 from posttrain.verify.registry import verifier
@@ -42,7 +42,6 @@ _HEDGE = re.compile(
 )
 _COMMAND = re.compile(r"\\[A-Za-z]+")
 _LETTERS = re.compile(r"[A-DF-HJ-Za-df-hj-z]")  # letters but e and i, after dropping commands
-_PLUS_MINUS = re.compile(r"\\[pm][pm](?![A-Za-z])")
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", re.DOTALL)
 
 
@@ -183,7 +182,7 @@ def verify_math(completion: str, reference: str | int | float, *, timeout_s: flo
     items = _unique_items([item for stated in distinct for item in answer_items(stated)])
     if len(items) > len(expected):
         return _zero(FailureClass.WRONG_ANSWER, "answer_list", **details)
-    if any(_PLUS_MINUS.search(value) for _, value in items) and not _PLUS_MINUS.search(reference):
+    if any(PLUS_MINUS.search(value) for _, value in items) and not PLUS_MINUS.search(reference):
         return _zero(FailureClass.WRONG_ANSWER, "hedged_answer", **details)  # several signs, not expanded
     if several:
         verdict = _same_set(expected, items, timeout_s)

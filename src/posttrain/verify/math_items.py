@@ -23,6 +23,7 @@ from posttrain.verify.math_rational import MAX_CHARS, NOT_UNITS
 _SEPARATOR_WORD = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{\s*(or|and)\s*\}")
 _BRACKET_COMMAND = re.compile(r"\\(?:begin|left)\b|\\(?:end|right)\b|\\[{}]")
 _SEPARATOR = re.compile(r"(?<![\\A-Za-z])(?:or|and)(?![A-Za-z])")
+PLUS_MINUS = re.compile(r"\\(?:pm|mp)(?![A-Za-z])")
 _LABEL = re.compile(r"^\s*([A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?)\s*(?:=(?!=)|\\in\b)\s*")
 _THOUSANDS_MARKED = re.compile(r"(?<![\d.])(\d{1,3})((?:(?:,\\!|\{,\}|\\,|,)\d{3})+)(?![\d])")
 _THOUSANDS_PLAIN = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
@@ -84,7 +85,7 @@ def split_items(text: str) -> list[str]:
             word = _BRACKET_COMMAND.match(s, index)
             if word:
                 token = word.group(0)
-                depth += 1 if token in ("\\begin", "\\left", "\\{") else -1
+                depth = depth + 1 if token in ("\\begin", "\\left", "\\{") else max(depth - 1, 0)
                 index += len(token) + (1 if token in ("\\left", "\\right") else 0)  # \left( is one opening
                 continue
             index += 2
@@ -92,7 +93,7 @@ def split_items(text: str) -> list[str]:
         if char in "([{":
             depth += 1
         elif char in ")]}":
-            depth -= 1
+            depth = max(depth - 1, 0)  # a stray closing bracket must not hide the commas after it
         elif depth == 0 and char in ",;":
             items.append(s[start:index])
             start = index + 1
@@ -102,6 +103,8 @@ def split_items(text: str) -> list[str]:
             continue
         index += 1
     items.append(s[start:])
+    if depth != 0:  # an unclosed bracket would hide every comma after it: count them all
+        items = re.split(r"[,;]", s)
     return [item.strip() for item in items]
 
 
@@ -136,12 +139,11 @@ def label_of(item: str) -> str | None:
 
 def expand_pm(item: str) -> list[str]:
     """``a \\pm b`` -> [``a + b``, ``a - b``]; an item with no or several ``\\pm``/``\\mp`` is left as it is."""
-    signs = re.findall(r"\\pm(?![A-Za-z])|\\mp(?![A-Za-z])", item)
+    signs = PLUS_MINUS.findall(item)
     if len(signs) != 1:
         return [item]
     plus, minus = ("+", "-") if signs[0] == "\\pm" else ("-", "+")
-    sign = re.compile(r"\\[pm][pm](?![A-Za-z])")
-    return [sign.sub(plus, item).strip(), sign.sub(minus, item).strip()]
+    return [PLUS_MINUS.sub(plus, item).strip(), PLUS_MINUS.sub(minus, item).strip()]
 
 
 def text_answer(item: str) -> str | None:
