@@ -62,7 +62,8 @@ def measure(rounds: int) -> dict:
     missed = Counter(c["kind"] for c, v in zip(cases, verdicts) if c["equal"] and not v)
     false_accepts = [c for c, v in zip(cases, verdicts) if not c["equal"] and v]
     return {"pairs": len(cases), "equal_pairs": len(equal), "recall": round(sum(equal) / len(equal), 4),
-            "false_accepts": len(false_accepts), "ms_per_judgement": round(1000 * statistics.median(times) / len(cases), 3),
+            "false_accepts": len(false_accepts),
+            "ms_per_judgement": round(1000 * statistics.median(times) / len(cases), 3),
             "cpu_ms_per_judgement": round(1000 * statistics.median(cpu) / len(cases), 3),
             "missed_by_kind": dict(missed),
             "false_accepted": [(c["reference"], c["completion"]) for c in false_accepts]}

@@ -32,7 +32,8 @@ _PERCENT_WORD = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*per\s?ce
 _UNIT = re.compile(r"\s*(?:\\(?:text|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z./ ]*?)\s*\}|"
                    r"(?<=[\s~])([A-Za-z]{2,}(?:\s+[A-Za-z]+){0,2}))\s*(?:\^\{?[23]\}?)?\s*$")
 # a bare unit word is spaced off its number and is a known short unit or a word of 3+ letters ("5ab" is a product)
-_SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "in", "yd", "mi", "kg", "mg", "lb", "oz", "hr", "ml", "cc", "am", "pm"})
+_SHORT_UNITS = frozenset({"cm", "mm", "km", "ft", "in", "yd", "mi", "kg", "mg", "lb", "oz", "hr", "ml", "cc",
+                          "am", "pm"})
 _NUMERIC_END = re.compile(r"(?:\d|\\pi|\}|\))(?:\s|\\[,;:! ]|~)*$")
 _TEXT_WRAPPER = re.compile(r"^\\(?:text|textbf|textrm|mathrm|mathbf|mbox|textit)\s*\{(.*)\}$", re.DOTALL)
 _WORDS = re.compile(r"[A-Za-z]{3,}(?: [A-Za-z]{2,})*")

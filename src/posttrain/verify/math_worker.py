@@ -2,8 +2,8 @@
 
 `check(reference, answer, rational, timeout_s)` returns "equal", "different" (math-verify could not parse the
 answer counts as different), "timeout", or "infra" (no worker could run the comparison); `check_pairs` runs
-several comparisons in one request under one timeout and returns a list of booleans instead of "equal"/"different". A worker
-that does not answer in time is killed (SIGKILL) and replaced on next use, so an adversarial answer costs at
+several comparisons in one request under one timeout and returns a list of booleans (or "timeout"/"infra"). A
+worker that does not answer in time is killed (SIGKILL) and replaced on next use, so an adversarial answer costs at
 most `timeout_s` and never a hung thread. Workers start on first use (importing sympy takes about a second,
 outside the timeout) and are shared by every thread of the process.
 """
