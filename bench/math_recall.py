@@ -9,8 +9,8 @@ its own process (``PYTHONPATH`` = that side's src), judges the whole set once to
 then ``--rounds`` more times; time per judgement is the median round's wall time over the number of pairs, and CPU
 per judgement the median round's CPU time of this process and its math-verify workers (read from /proc; on a
 shared machine wall time moves with the neighbours' load, CPU time much less). With a baseline the sides
-alternate (ours, baseline, ours, ...) and ``"ratio"`` is our CPU per judgement over the baseline's (lower is
-faster; ``"wall_ratio"`` the same for wall time). Ends with one JSON line.
+alternate (ours, baseline, ours, ...) and ``"ratio"`` is the baseline's CPU per judgement over ours (higher is
+better: 1.5 means ours judges 1.5x as fast; ``"wall_ratio"`` the same for wall time). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def main() -> None:
             print(f"  false accept: {reference!r} <- {completion!r}", file=sys.stderr)
     if "baseline" in summary:
         ours, baseline = summary["ours"], summary["baseline"]
-        summary["ratio"] = round(ours["cpu_ms_per_judgement"] / baseline["cpu_ms_per_judgement"], 3)
-        summary["wall_ratio"] = round(ours["ms_per_judgement"] / baseline["ms_per_judgement"], 3)
+        summary["ratio"] = round(baseline["cpu_ms_per_judgement"] / ours["cpu_ms_per_judgement"], 3)
+        summary["wall_ratio"] = round(baseline["ms_per_judgement"] / ours["ms_per_judgement"], 3)
     print(json.dumps(summary))
 
 
