@@ -81,6 +81,39 @@ def test_non_answers_score_zero_with_a_reason(completion, reference, reason):
     assert reward.score == 0.0 and not reward.passed and reward.details["reason"] == reason
 
 
+@pytest.mark.parametrize("completion, reference, reason", [
+    (r"\boxed{2} \boxed{3} \boxed{4}", "2, 3", "answer_list"),  # more boxes than the reference has solutions
+    (r"\boxed{2, 3, 4}", r"\{2, 3\}", "answer_list"),
+    (r"\boxed{2 \text{ or } 3 \text{ or } 4}", "2, 3", "answer_list"),
+    (r"\boxed{2} \boxed{}", "2, 3", "multiple_answers"),
+    (r"\boxed{maybe 2, 3}", "2, 3", "hedged_answer"),  # "or" separates solutions; other hedges stay hedges
+    (r"\boxed{\pm 1 \pm 2}", "1, 3", "hedged_answer"),  # several signs in one item are not expanded
+    (r"\boxed{(1,2), (2,1)}", "(1,2)", "answer_list"),  # one ordered pair: both orders is a list
+    (r"\boxed{4 \text{ and more}}", "4", "hedged_answer"),
+])
+def test_solution_sets_keep_the_anti_hacking_rules(completion, reference, reason):
+    reward = verify_math(completion, reference)
+    assert reward.score == 0.0 and reward.details["reason"] == reason, reward.details
+
+
+@pytest.mark.parametrize("completion, reference", [
+    (r"\boxed{(7,11),(11,7)}", r"(11,7) \text{ or } (7,11)"),
+    (r"\boxed{-10,-8,4}", "a=4,-8,-10"),
+    (r"So $a=\boxed{4}$, $a=\boxed{-8}$ or $a=\boxed{-10}$.", "a=4,-8,-10"),
+    (r"\boxed{11,\!111}", "11111"),
+    (r"\boxed{28 \text{ percent}}", r"28\%"),
+    (r"\boxed{\pm 3}", "3, -3"),
+])
+def test_the_issue_examples_score_one(completion, reference):
+    reward = verify_math(completion, reference)
+    assert reward.passed, reward.details
+
+
+def test_an_ordered_pair_keeps_its_order_inside_a_set():
+    assert not verify_math(r"\boxed{(2,1),(4,3)}", "(1,2),(3,4)").passed
+    assert verify_math(r"\boxed{(3,4),(1,2)}", "(1,2),(3,4)").details["method"] == "solution_set"
+
+
 def test_several_equal_boxes_are_one_answer():
     assert verify_math(r"\boxed{0.5} ... so again \boxed{\frac{1}{2}}", "1/2").passed
 

@@ -5,6 +5,8 @@ adversarial expression) is killed from outside instead of hanging a trainer thre
 signal-based timeouts (main thread only) are never needed. Only LaTeX extraction is used: math-verify's plain
 expression parser goes through sympy's ``parse_expr``, which evaluates Python, and model text never reaches it.
 Request: {"reference": str, "answer": str, "rational": [p, q] | null}. Reply: {"equal": bool} or {"error": str}.
+Several comparisons in one request (the items of a solution set, under one timeout):
+{"pairs": [[reference, answer, [p, q] | null], ...]}. Reply: {"equal": [bool, ...]}.
 """
 
 import json
@@ -22,19 +24,31 @@ def main() -> None:
     from math_verify import LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig()]
+
+    def equal(reference: str, answer: str, rational: list | None) -> bool:
+        gold = parse("$" + reference + "$", extraction_config=config, parsing_timeout=None)
+        guess = parse("$" + answer + "$", extraction_config=config, parsing_timeout=None)
+        same = bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=None)
+        if same and rational:
+            # math-verify rounds numbers; a rational reference must match exactly
+            exact = sympy.Rational(int(rational[0]), int(rational[1]))
+            same = any(isinstance(e, sympy.Basic) and sympy.simplify(e - exact) == 0 for e in guess)
+        return bool(same)
+
+    def safe_equal(reference: str, answer: str, rational: list | None) -> bool:
+        try:
+            return equal(reference, answer, rational)
+        except Exception:  # noqa: BLE001 - math-verify could not compare this pair: different
+            return False
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         try:
             request = json.loads(line)
-            gold = parse("$" + request["reference"] + "$", extraction_config=config, parsing_timeout=None)
-            guess = parse("$" + request["answer"] + "$", extraction_config=config, parsing_timeout=None)
-            equal = bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=None)
-            if equal and request.get("rational"):
-                # math-verify rounds numbers; a rational reference must match exactly
-                p, q = request["rational"]
-                exact = sympy.Rational(int(p), int(q))
-                equal = any(isinstance(e, sympy.Basic) and sympy.simplify(e - exact) == 0 for e in guess)
-            reply = {"equal": bool(equal), "parsed": [str(g) for g in guess[:1]]}
+            if "pairs" in request:
+                reply = {"equal": [safe_equal(str(r), str(a), q) for r, a, q in request["pairs"]]}
+            else:
+                reply = {"equal": equal(request["reference"], request["answer"], request.get("rational"))}
         except Exception as error:  # noqa: BLE001 - reported, the worker lives on
             reply = {"error": f"{type(error).__name__}: {error}"[:500]}
         print(json.dumps(reply), flush=True)

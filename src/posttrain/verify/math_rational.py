@@ -18,7 +18,14 @@ MAX_CHARS = 400
 
 _STRIP = re.compile(r"\\left|\\right|\\displaystyle|\\[,;:! ]|~|\$|\\\(|\\\)|\\\[|\\\]|\s+")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
-_TRAILING_UNIT = re.compile(r"(\\(text|mathrm|textbf|mbox)\{\s*[A-Za-z. ]*\}|\^\{?\\circ\}?|°|\\%|%)$")
+_TRAILING_UNIT = re.compile(r"(\\(text|mathrm|textbf|mbox)\{\s*([A-Za-z. ]*)\}|\^\{?\\circ\}?|°|\\%|%)$")
+_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}")
+# words that are never a unit: "4 \text{ and more}", "3 \text{ at most}" are not 4 and 3
+NOT_UNITS = frozenset({
+    "or", "and", "to", "not", "no", "nor", "than", "more", "less", "least", "most", "at", "maybe", "either",
+    "neither", "between", "except", "about", "around", "nearly", "roughly", "over", "under", "up", "plus", "minus",
+    "above", "below", "if", "only", "so", "pi", "i", "e", "infty", "approx", "sqrt", "frac", "cdot", "ge", "le",
+    "geq", "leq", "none", "all", "any", "every", "each", "some"})
 _LEADING_VAR = re.compile(r"^[A-Za-z]\w*=(?!=)")
 _TOKEN = re.compile(r"\d+\.\d*|\.\d+|\d+|\\[A-Za-z]+|\*\*|[-+*/^(){}\[\]]")
 
@@ -28,14 +35,25 @@ class _Refused(Exception):
 
 
 def normalize(text: str) -> str:
+    # a \text{...} holding a word that is never a unit is not stripped (the words run together below)
+    words = {w.lower() for group in _TEXT_GROUP.findall(text) for w in re.findall(r"[A-Za-z]+", group)}
+    strip_unit = _drop_unit if not words & NOT_UNITS else _symbol_unit
     s = _STRIP.sub("", text.strip())
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     for _ in range(3):
-        s = _TRAILING_UNIT.sub("", s)
+        s = _TRAILING_UNIT.sub(strip_unit, s)
     s = _LEADING_VAR.sub("", s, count=1)
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     return s.rstrip(".")
+
+
+def _drop_unit(match: re.Match) -> str:
+    return ""
+
+
+def _symbol_unit(match: re.Match) -> str:
+    return match.group(0) if match.group(2) else ""  # %, degrees go; a \text{...} stays
 
 
 def parse_rational(text: str) -> Fraction | None:

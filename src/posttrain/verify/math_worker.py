@@ -1,8 +1,9 @@
 """A small pool of math-verify worker processes with an external timeout per comparison.
 
 `check(reference, answer, rational, timeout_s)` returns "equal", "different" (math-verify could not parse the
-answer counts as different), "timeout", or "infra" (no worker could run the comparison). A worker
-that does not answer in time is killed (SIGKILL) and replaced on next use, so an adversarial answer costs at
+answer counts as different), "timeout", or "infra" (no worker could run the comparison); `check_pairs` runs
+several comparisons in one request under one timeout and returns a list of booleans (or "timeout"/"infra"). A
+worker that does not answer in time is killed (SIGKILL) and replaced on next use, so an adversarial answer costs at
 most `timeout_s` and never a hung thread. Workers start on first use (importing sympy takes about a second,
 outside the timeout) and are shared by every thread of the process.
 """
@@ -67,14 +68,23 @@ class MathWorkers:
         self._lock = threading.Lock()
 
     def check(self, reference: str, answer: str, rational: tuple[int, int] | None, timeout_s: float) -> str:
+        verdict = self.check_pairs([(reference, answer, rational)], timeout_s)
+        if isinstance(verdict, str):
+            return verdict
+        return "equal" if verdict[0] else "different"
+
+    def check_pairs(self, pairs: list[tuple[str, str, tuple[int, int] | None]],
+                    timeout_s: float) -> list[bool] | str:
+        """One verdict per (reference, answer, rational) pair, or "timeout"/"infra" for the whole batch."""
+        request = {"pairs": [[reference, answer, list(rational) if rational else None]
+                             for reference, answer, rational in pairs]}
         worker = self._idle.get()
         try:
             if worker is None or worker.process.poll() is not None:
                 worker = _Worker()
                 with self._lock:
                     self._all.append(worker)
-            reply = worker.ask({"reference": reference, "answer": answer,
-                                "rational": list(rational) if rational else None}, timeout_s)
+            reply = worker.ask(request, timeout_s)
         except (OSError, RuntimeError, ValueError):
             if worker is not None:
                 worker.kill()
@@ -85,7 +95,10 @@ class MathWorkers:
             self._idle.put(None)
             return "timeout"
         self._idle.put(worker)
-        return "equal" if reply.get("equal") else "different"
+        verdicts = reply.get("equal")
+        if not isinstance(verdicts, list) or len(verdicts) != len(pairs):
+            return [False] * len(pairs)  # the worker could not compare them (its error): different
+        return [bool(v) for v in verdicts]
 
     def close(self) -> None:
         with self._lock:
