@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from posttrain.config import ConfigError, dump_recipe
+from posttrain.config import ConfigError, EvalRuntime, EvalSampling, dump_recipe
 from posttrain.config.rl import RLRecipe
 from posttrain.models import (
     ModelError,
@@ -48,12 +48,8 @@ from posttrain.models import (
     save_model_dir,
 )
 from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain, whiten
-from posttrain.rl.guarding import (
-    RunGuard,
-    SuiteEvaluator,
-    regression_suites,
-    suite_metrics,
-)
+from posttrain.evaluate import Suite, SuiteEvaluator, SuiteScore, regression_suite, tasks_suite
+from posttrain.rl.guarding import RunGuard
 from posttrain.rl.backend import (
     BackendFactory,
     PolicyTrainer,
@@ -94,6 +90,7 @@ class RLResult:
     mix_sampled: dict[str, float] = field(default_factory=dict)  # share of groups sampled, whole run
     mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
     events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
+    infra_failures: dict[str, int] = field(default_factory=dict)  # per suite at the final evaluation, never scored
 
 
 @dataclass
@@ -196,14 +193,12 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
-    model = policy.full_model()  # the evaluator reads it; `full_model()` brings it up to date before each use
-    evaluator = SuiteEvaluator(model, tokenizer, suites, recipe.rollout.sampling.max_new_tokens,
-                               lambda: make_engine(model, tokenizer, runtime, recipe))
+    evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime)
     history: list[dict[str, float]] = []
     episodes_log = open(output_dir / EPISODES_FILE, "a", encoding="utf-8")
     events_log = open(output_dir / EVENTS_FILE, "a", encoding="utf-8")
     if checkpoint is None and run.guard.wants_baseline():
-        baseline, _ = _evaluate(run, evaluator, 0, events_log)
+        baseline, _ = _evaluate(run, evaluate, 0, events_log)
         tracker.log(baseline, step=0)
     run.pipeline = _start_pipeline(run, cursor, pending)
     try:
@@ -225,8 +220,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             metrics.update(batch_schedule_metrics(batch))
             events: list[dict[str, Any]] = []
             if run.guard.evaluates_at(cursor.step):
-                policy.full_model()
-                eval_metrics, events = _evaluate(run, evaluator, cursor.step, events_log)
+                eval_metrics, events = _evaluate(run, evaluate, cursor.step, events_log)
                 metrics.update(eval_metrics)
             events += _report_events(run.guard.after_step(cursor.step, metrics), events_log)
             alarms = [event for event in events if event["kind"] in ALARM_KINDS]
@@ -247,9 +241,9 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer, merge_lora=True)
         if run.critic is not None:
             run.critic.save(output_dir / "critic")
-        final = evaluator(cursor.step) if suites else {}
+        final = evaluate(policy.full_model(), cursor.step) if suites else {}
         if final:
-            tracker.log(suite_metrics(recipe, final), step=cursor.step)
+            tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
     finally:
         run.pipeline.close()
         episodes_log.close()
@@ -275,17 +269,17 @@ def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> 
     )
 
 
-def _evaluate(run: _Run, evaluator: SuiteEvaluator, step: int, events_log
+def _evaluate(run: _Run, evaluate: EvaluateFn, step: int, events_log
               ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Evaluate the suites, feed the guard, and hand its boosts to the sampler from a fixed batch index on."""
-    results = evaluator(step)
+    scores = evaluate(run.policy.full_model(), step)
     before = run.guard.forgetting.boosted_domains()
-    events = _report_events(run.guard.after_eval(step, results), events_log)
+    events = _report_events(run.guard.after_eval(step, scores), events_log)
     boosted = run.guard.forgetting.boosted_domains()
     if boosted != before and hasattr(run.sampler, "boost_domains"):
         # The producer may already be drawing batches up to step + max_staleness: the boost starts after them.
         run.sampler.boost_domains(boosted, step + run.recipe.pipeline.max_staleness + 1)
-    metrics = suite_metrics(run.recipe, results)
+    metrics = eval_metrics_of(run.recipe, scores)
     metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
     return metrics, events
 
@@ -336,7 +330,7 @@ def _report_events(events: list[dict[str, Any]], events_log) -> list[dict[str, A
     return events
 
 
-def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float],
+def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, SuiteScore],
             history: list[dict[str, float]]) -> RLResult:
     last = history[-1] if history else {}
     names = [spec.name for spec in run.recipe.domains]
@@ -344,7 +338,7 @@ def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float]
     def per_domain(prefix: str, cast=float) -> dict[str, Any]:
         return {name: cast(last[f"{prefix}/{name}"]) for name in names if f"{prefix}/{name}" in last}
 
-    metrics = suite_metrics(run.recipe, final)
+    metrics = eval_metrics_of(run.recipe, final)
     return RLResult(
         run.output_dir, final_dir, cursor.step, cursor.train_seconds,
         heldout={k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")},
@@ -353,13 +347,15 @@ def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float]
         curriculum=per_domain("curriculum", int), curriculum_peak=per_domain("curriculum/peak", int),
         mix_sampled=per_domain("mix/sampled"), mix_trained=per_domain("mix/trained"),
         events=[dict(e) for e in run.guard.events],
+        infra_failures={name: score.infra_failures for name, score in final.items()},
     )
 
 
 def _summary(result: RLResult) -> dict[str, Any]:
     return {"steps": result.steps, "heldout": result.heldout, "regression": result.regression,
             "curriculum": result.curriculum, "curriculum_peak": result.curriculum_peak,
-            "mix_sampled": result.mix_sampled, "mix_trained": result.mix_trained, "events": result.events}
+            "mix_sampled": result.mix_sampled, "mix_trained": result.mix_trained, "events": result.events,
+            "infra_failures": result.infra_failures}
 
 
 # ---- the batch -> update step --------------------------------------------------------------------------
@@ -413,6 +409,47 @@ def _ppo_update(run: _Run, trajectories: list, returns: list[float], replay: lis
 
 
 # ---- engine, reference, evaluation -----------------------------------------------------------------------
+
+# evaluate(model, version) -> suite name -> its score (posttrain.evaluate.SuiteEvaluator)
+EvaluateFn = Callable[[Any, int], dict[str, SuiteScore]]
+
+
+def regression_suites(recipe: RLRecipe) -> list[Suite]:
+    """Every domain's held-out items (a suite named by the domain), then the guard's general suites."""
+    suites = []
+    for index, spec in enumerate(recipe.domains):
+        if spec.heldout:
+            tasks = sample_tasks(get_domain(spec.name, **spec.args), spec.heldout, level=spec.levels,
+                                 split="heldout", seed=recipe.runtime.seed + 1000 + index)
+            suites.append(tasks_suite(spec.name, tasks, domain_args=spec.args, seed=recipe.runtime.seed + 1000 + index))
+    for index, suite in enumerate(recipe.schedule.guard.suites):
+        suites.append(regression_suite(suite, seed=recipe.runtime.seed + 2000 + index))
+    return suites
+
+
+def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime) -> EvaluateFn:
+    """Greedy pass@1 of every suite through `posttrain.evaluate`, on an engine of its own (built at the first
+    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts."""
+    sampling = EvalSampling(max_new_tokens=recipe.rollout.sampling.max_new_tokens, greedy=True)
+    eval_runtime = EvalRuntime(batch_size=recipe.rollout.engine_batch_size, infra_retries=recipe.rollout.infra_retries)
+    return SuiteEvaluator(suites, tokenizer, lambda: make_engine(model, tokenizer, runtime, recipe),
+                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type)
+
+
+def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:
+    """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general
+    ones (pass rates over scored episodes; a suite with none scored has none), ``eval/infra_failures[/<suite>]``."""
+    domains = {spec.name for spec in recipe.domains}
+    rates = {name: score.pass_rate for name, score in scores.items() if score.pass_rate is not None}
+    heldout = {name: value for name, value in rates.items() if name in domains}
+    metrics = {f"heldout/{name}": value for name, value in heldout.items()}
+    if heldout:
+        metrics["heldout/mean"] = sum(heldout.values()) / len(heldout)
+    metrics.update({f"regression/{name}": value for name, value in rates.items() if name not in domains})
+    metrics.update({f"eval/infra_failures/{name}": float(score.infra_failures) for name, score in scores.items()})
+    if scores:
+        metrics["eval/infra_failures"] = float(sum(score.infra_failures for score in scores.values()))
+    return metrics
 
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
