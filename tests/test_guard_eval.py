@@ -16,8 +16,7 @@ from posttrain.config import EvalRecipe, RegressionSuite
 from posttrain.config.rl import RLRecipe
 from posttrain.evaluate import SuiteScore, evaluate, regression_suite
 from posttrain.models import load_model, load_tokenizer
-from posttrain.rl.guarding import RunGuard
-from posttrain.rl.trainer import eval_metrics_of, regression_suites, suite_evaluator
+from posttrain.rl.guarding import RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.train import Runtime
 from posttrain.types import Reward, Task
 from posttrain.verify import verifier

@@ -22,8 +22,8 @@ import torch
 from posttrain.config.rl import RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
-from posttrain.rl.rollouts import RolloutFn, engine_rollout
-from posttrain.rl.step import DataShard, rl_update
+from posttrain.rl.pipeline import RolloutFn, engine_rollout
+from posttrain.rl.step import DataShard, UpdateSettings, rl_update, train_temperature
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
@@ -124,6 +124,7 @@ class LocalPolicy:
         self.scheduler = build_scheduler(self.optimizer, recipe.optim,
                                          recipe.train.max_steps * recipe.train.updates_per_batch)
         self.base_lrs = list(self.scheduler.base_lrs)
+        self.settings = UpdateSettings.of(recipe, runtime, tokenizer.pad_token_id)
 
     def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
                ) -> dict[str, float]:
@@ -137,13 +138,8 @@ class LocalPolicy:
                                                coef=guard.replay_coef * self.replay_scale,
                                                max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
                                                micro_batch_size=recipe.train.micro_batch_size))
-        stats = rl_update(
-            model, self.optimizer, self.scheduler, trajectories, advantages,
-            config=recipe.algorithm, runtime=self.runtime, pad_id=self.tokenizer.pad_token_id,
-            temperature=train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
-            max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
-            updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
-        ) if trajectories else {}
+        stats = rl_update(model, self.optimizer, self.scheduler, trajectories, advantages, self.settings,
+                          reference=self.reference, shard=self.shard) if trajectories else {}
         if not trajectories and "guard/replay_loss" in metrics:
             if self.shard is not None:
                 self.shard.reduce_gradients(model)
@@ -218,11 +214,6 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         return target_logprobs(logits, input_ids[:, 1:][score_mask], temperature)
 
     return copy_reference
-
-
-def train_temperature(recipe: RLRecipe) -> float:
-    temperature = recipe.rollout.sampling.temperature
-    return temperature if temperature > 0 else 1.0
 
 
 def thread_budget(threads: int | None) -> Callable[[], None] | None:

@@ -5,8 +5,10 @@ healthy ("good"), how many rollbacks it took and the learning-rate scale they le
 checkpoint; a rollback restores the guard from the checkpoint it returns to but keeps the rollback history
 (count, lr scale, events), so the lower learning rate and the story of the run survive the rollback.
 
-It reads the suites' scores from `posttrain.evaluate` (`SuiteEvaluator`): a suite's pass rate is over its scored
-episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower it nor trip the
+What it watches (`regression_suites`: every domain's held-out items and the recipe's general suites) is evaluated
+through `posttrain.evaluate` (`suite_evaluator` -> a `SuiteEvaluator`, ``evaluate(model, version)``: the same
+episodes and pass@1 as `posttrain eval`; `eval_metrics_of` names the figures the run logs). A suite's pass rate is
+over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower it nor trip the
 guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks for is the
 policy's (`rl.backend.replay_sft_backward`), as is the learning-rate scale a rollback leaves (`set_lr_scale`).
 """
@@ -15,13 +17,59 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+from posttrain.config import EvalRuntime, EvalSampling
 from posttrain.config.rl import RLRecipe
 from posttrain.data.schema import SFTSample
-from posttrain.evaluate import Suite, SuiteScore
+from posttrain.evaluate import Suite, SuiteEvaluator, SuiteScore, regression_suite, tasks_suite
+from posttrain.rl.backend import make_engine
+from posttrain.rl.backend import set_lr_scale  # noqa: F401 - `rl.critic` imports it from here (the policy's)
 from posttrain.schedule import CollapseMonitor, ForgettingGuard, replay_samples
-from posttrain.tasks import get_domain
+from posttrain.tasks import get_domain, sample_tasks
+from posttrain.train.step import Runtime
+
+
+# evaluate(model, version) -> suite name -> its score (posttrain.evaluate.SuiteEvaluator)
+EvaluateFn = Callable[[Any, int], dict[str, SuiteScore]]
+
+
+def regression_suites(recipe: RLRecipe) -> list[Suite]:
+    """Every domain's held-out items (a suite named by the domain), then the guard's general suites."""
+    suites = []
+    for index, spec in enumerate(recipe.domains):
+        if spec.heldout:
+            tasks = sample_tasks(get_domain(spec.name, **spec.args), spec.heldout, level=spec.levels,
+                                 split="heldout", seed=recipe.runtime.seed + 1000 + index)
+            suites.append(tasks_suite(spec.name, tasks, domain_args=spec.args, seed=recipe.runtime.seed + 1000 + index))
+    for index, suite in enumerate(recipe.schedule.guard.suites):
+        suites.append(regression_suite(suite, seed=recipe.runtime.seed + 2000 + index))
+    return suites
+
+
+def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime) -> EvaluateFn:
+    """Greedy pass@1 of every suite through `posttrain.evaluate`, on an engine of its own (built at the first
+    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts."""
+    sampling = EvalSampling(max_new_tokens=recipe.rollout.sampling.max_new_tokens, greedy=True)
+    eval_runtime = EvalRuntime(batch_size=recipe.rollout.engine_batch_size, infra_retries=recipe.rollout.infra_retries)
+    return SuiteEvaluator(suites, tokenizer, lambda: make_engine(model, tokenizer, runtime, recipe),
+                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type)
+
+
+def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:
+    """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general
+    ones (pass rates over scored episodes; a suite with none scored has none), ``eval/infra_failures[/<suite>]``."""
+    domains = {spec.name for spec in recipe.domains}
+    rates = {name: score.pass_rate for name, score in scores.items() if score.pass_rate is not None}
+    heldout = {name: value for name, value in rates.items() if name in domains}
+    metrics = {f"heldout/{name}": value for name, value in heldout.items()}
+    if heldout:
+        metrics["heldout/mean"] = sum(heldout.values()) / len(heldout)
+    metrics.update({f"regression/{name}": value for name, value in rates.items() if name not in domains})
+    metrics.update({f"eval/infra_failures/{name}": float(score.infra_failures) for name, score in scores.items()})
+    if scores:
+        metrics["eval/infra_failures"] = float(sum(score.infra_failures for score in scores.values()))
+    return metrics
 
 
 class RunGuard:
@@ -136,7 +184,3 @@ class RunGuard:
             name, args, levels = self._replay_specs[suite]
             self._replay_sources[suite] = (get_domain(name, **args), list(levels))
         return self._replay_sources[suite]
-
-
-# `rl.critic` imports it from here (its imports are another change's); the function is the policy's.
-from posttrain.rl.backend import set_lr_scale  # noqa: E402,F401

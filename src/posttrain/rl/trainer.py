@@ -1,27 +1,32 @@
-"""The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> (rollouts -> rewards ->
-advantages -> update -> weights to the engine -> guard)* -> checkpoint.
+"""The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> iterations -> checkpoint.
 
     posttrain rl recipe.yaml [--resume]
 
-Rollouts come from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness` versions) through
-`rl.rollouts` (dynamic sampling), episodes from `posttrain.envs` (token-exact trajectories verified by each
-task's own verifier), tasks from a `posttrain.schedule` sampler (by default the `Scheduler` the recipe's
-`schedule:` section configures). Infrastructure failures are retried by the episode loop and, if they persist,
-masked out of the batch and counted — never trained on as a reward of 0.
+One iteration (`_iteration`, the whole of it in one function):
 
-The guard (`rl.guarding`) evaluates regression suites every N steps; a regressed suite boosts its domain's
-share (from a batch index fixed in advance, so threaded and inline runs agree) and/or adds a replay SFT loss.
-A collapse alarm can, by recipe, roll the run back to the last good checkpoint with a lower learning rate.
-Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``.
+    batch       rollouts for step k from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness`
+                versions; dynamic sampling; infrastructure failures retried by the episode loop, then masked out
+                and counted, never trained on as a reward of 0)
+    returns     each trainable episode's return (`rl.advantages.episode_return`: the verifier's outcome, costs,
+                shaping, a learned reward component when the recipe has `reward_model:`)
+    advantages  group-relative (`compute_advantages`), or with `algorithm.advantage: gae` per-token GAE from the
+                critic's values (`rl.critic`), which trains beside the policy
+    update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.step.rl_update`, its settings one
+                `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
+    weights     the new version published to the engine(s)
+    guard       every N steps the suites are evaluated through `posttrain.evaluate` (`evaluate(model, version)`:
+                the same episodes and pass@1 as `posttrain eval`, infrastructure failures counted, never scored);
+                `rl.guarding.RunGuard` turns a regression into a domain boost (from a batch index fixed in
+                advance, so threaded and inline runs agree) and/or replay SFT, and a collapse alarm can roll the
+                run back to the last good checkpoint with a lower learning rate
+
+Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``; every episode
+goes to ``episodes.jsonl`` (the data flywheel). Tasks come from a `posttrain.schedule` sampler (by default the
+`Scheduler` the recipe's `schedule:` section configures).
 
 Where the policy trains and where rollouts run is an `RLBackend` (`rl.backend`): `run_rl` uses `local_backend`
 (this process: the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes
-its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same. What is recorded of
-each batch (metrics, episode records, events) is in `rl.records`.
-
-RLHF pieces, by recipe: a learned reward component (`reward_model:`, `rl.learned_reward`) adds a reward model's
-weighted score to every trained trajectory's return; `algorithm.advantage: gae` trains a critic (`rl.critic`)
-beside the policy and feeds the policy per-token GAE advantages instead of group-relative ones.
+its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 
-from posttrain.config import ConfigError, EvalRuntime, EvalSampling, dump_recipe
+from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
 from posttrain.models import (
     ModelError,
@@ -47,31 +52,30 @@ from posttrain.models import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain, whiten
-from posttrain.evaluate import Suite, SuiteEvaluator, SuiteScore, regression_suite, tasks_suite
-from posttrain.rl.guarding import RunGuard
-from posttrain.rl.backend import (
-    BackendFactory,
-    PolicyTrainer,
-    RLBackend,
-    local_backend,
-    make_engine,
-)
+from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain, whiten
+from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
-from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
-from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe_event, episode_record, select_trainable
-from posttrain.rl.returns import episode_return
-from posttrain.rl.rollouts import BatchProducer, sampling_params
+from posttrain.rl.pipeline import (
+    BatchProducer,
+    RolloutBatch,
+    RolloutPipeline,
+    batch_metrics,
+    batch_schedule_metrics,
+    describe_event,
+    episode_record,
+    sampling_params,
+    select_trainable,
+)
+from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train.step import Runtime, prepare_model, setup_runtime
-from posttrain.types import Task
+from posttrain.types import Task, Trajectory
 
 EPISODES_FILE = "episodes.jsonl"
-FAILURES_FILE = "failures.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
 SUMMARY_FILE = "schedule_summary.json"
 
@@ -195,10 +199,10 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
 
     evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime)
     history: list[dict[str, float]] = []
-    episodes_log = open(output_dir / EPISODES_FILE, "a", encoding="utf-8")
-    events_log = open(output_dir / EVENTS_FILE, "a", encoding="utf-8")
+    logs = _Logs(open(output_dir / EPISODES_FILE, "a", encoding="utf-8"),
+                 open(output_dir / EVENTS_FILE, "a", encoding="utf-8"))
     if checkpoint is None and run.guard.wants_baseline():
-        baseline, _ = _evaluate(run, evaluate, 0, events_log)
+        baseline, _ = _evaluate(run, evaluate, 0, logs.events)
         tracker.log(baseline, step=0)
     run.pipeline = _start_pipeline(run, cursor, pending)
     try:
@@ -207,31 +211,16 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             if recipe.train.max_minutes is not None and cursor.train_seconds >= recipe.train.max_minutes * 60:
                 say(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
                 break
-            started = time.perf_counter()
-            batch = run.pipeline.next_batch()
-            replay = run.guard.replay_batch(cursor.step)
-            metrics = _train_on(run, batch, cursor.step, replay)
+            metrics, events = _iteration(run, cursor.step, evaluate, logs)
             cursor.step += 1
-            # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
-            run.pipeline.publish_weights(cursor.step, policy.weights(copy=recipe.pipeline.max_staleness > 0))
-            _log_episodes(episodes_log, batch)
-            metrics["time/step_s"] = time.perf_counter() - started
-            cursor.train_seconds += metrics["time/step_s"]
-            metrics.update(batch_schedule_metrics(batch))
-            events: list[dict[str, Any]] = []
-            if run.guard.evaluates_at(cursor.step):
-                eval_metrics, events = _evaluate(run, evaluate, cursor.step, events_log)
-                metrics.update(eval_metrics)
-            events += _report_events(run.guard.after_step(cursor.step, metrics), events_log)
+            cursor.train_seconds += metrics["time/step_s"]  # the time budget counts training, not evaluation
             alarms = [event for event in events if event["kind"] in ALARM_KINDS]
-            metrics.update(run.guard.metrics())
-            metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"reward {metrics.get('reward/mean', 0):.3f}")
             history.append(metrics)
             step = cursor.step
             if run.guard.should_roll_back(alarms):
-                cursor = _roll_back(run, cursor, events_log)
+                cursor = _roll_back(run, cursor, logs.events)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
                 _save(run, cursor)
                 run.guard.mark_saved(step, alarms)
@@ -246,8 +235,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
     finally:
         run.pipeline.close()
-        episodes_log.close()
-        events_log.close()
+        logs.episodes.close()
+        logs.events.close()
         tracker.close()
     result = _result(run, cursor, final_dir, final, history)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(_summary(result), indent=2) + "\n")
@@ -358,41 +347,85 @@ def _summary(result: RLResult) -> dict[str, Any]:
             "infra_failures": result.infra_failures}
 
 
-# ---- the batch -> update step --------------------------------------------------------------------------
+# ---- one iteration: batch -> returns -> advantages -> update -> weights -> guard ---------------------------
 
 
-def _train_on(run: _Run, batch: RolloutBatch, step: int, replay: list | None = None) -> dict[str, float]:
+@dataclass
+class _Logs:
+    episodes: IO[str]  # episodes.jsonl
+    events: IO[str]  # schedule_events.jsonl
+
+
+def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple[dict[str, float], list[dict]]:
+    """Step `step` -> version `step + 1`: its metrics and the guard's events."""
     recipe, policy = run.recipe, run.policy
-    usable, counts = select_trainable(batch.trajectories, step, recipe)
-    learned_metrics = run.learned_reward.annotate(usable) if run.learned_reward is not None else {}
+    began = time.perf_counter()
+    # batch: what the pipeline sampled for this step, less what must not be trained on
+    batch = run.pipeline.next_batch()
+    replay = run.guard.replay_batch(step)
+    trajectories, counts = select_trainable(batch.trajectories, step, recipe)
+    metrics = run.learned_reward.annotate(trajectories) if run.learned_reward is not None else {}
+
+    # returns
+    returns, components = _returns(run, trajectories)
+    # `overlong: mask` keeps a truncated episode in its group's baseline but out of the loss.
+    kept = [not (recipe.returns.overlong == "mask" and t.truncated) for t in trajectories]
+    counts["overlong_masked"] = kept.count(False)
+
+    # advantages -> update (with a critic: its values -> GAE -> the policy's and the critic's updates)
+    started = time.perf_counter()
+    if run.critic is None:
+        advantages = compute_advantages(returns, [t.group_id for t in trajectories], recipe.algorithm.advantage,
+                                        scale=recipe.algorithm.scale_advantages).tolist()
+        trained = [(t, a) for t, a, keep in zip(trajectories, advantages, kept) if keep]
+        metrics.update(policy.update([t for t, _ in trained], [a for _, a in trained], replay))
+    else:
+        trained = [(t, r) for t, r, keep in zip(trajectories, returns, kept) if keep]
+        metrics.update(_ppo_update(run, [t for t, _ in trained], [r for _, r in trained], replay))
+    metrics["time/train_s"] = time.perf_counter() - started
+
+    # weights: version step + 1 to the engine(s). A stale batch is sampled from an older version: keep a copy the
+    # optimizer will not touch.
+    run.pipeline.publish_weights(step + 1, policy.weights(copy=recipe.pipeline.max_staleness > 0))
+    _log_episodes(logs.episodes, batch)
+    metrics.update(_batch_figures(batch, step, components, counts))
+    metrics["time/step_s"] = time.perf_counter() - began
+
+    # guard: the suites every N steps, the collapse alarms every step
+    events: list[dict[str, Any]] = []
+    if run.guard.evaluates_at(step + 1):
+        eval_metrics, events = _evaluate(run, evaluate, step + 1, logs.events)
+        metrics.update(eval_metrics)
+    events += _report_events(run.guard.after_step(step + 1, metrics), logs.events)
+    metrics.update(run.guard.metrics())
+    metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
+    return metrics, events
+
+
+def _returns(run: _Run, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each episode's return (normalized per domain when the recipe asks) and its named components."""
+    recipe = run.recipe
     returns, components = [], defaultdict(list)
-    for trajectory in usable:
+    for trajectory in trajectories:
         learned = run.learned_reward.weighted(trajectory) if run.learned_reward is not None else None
         total, parts = episode_return(trajectory, recipe.returns, recipe.rollout.sampling.max_new_tokens, learned)
         returns.append(total)
         for name, value in parts.items():
             components[name].append(value)
     if recipe.algorithm.normalize_per_domain:
-        returns = normalize_per_domain(returns, [t.domain for t in usable])
-    kept = [not (recipe.returns.overlong == "mask" and t.truncated) for t in usable]
-    counts["overlong_masked"] = kept.count(False)
-    started = time.perf_counter()
-    if run.critic is None:
-        advantages = compute_advantages(returns, [t.group_id for t in usable], recipe.algorithm.advantage,
-                                        scale=recipe.algorithm.scale_advantages).tolist()
-        trained = [(t, a) for t, a, keep in zip(usable, advantages, kept) if keep]
-        metrics = policy.update([t for t, _ in trained], [a for _, a in trained], replay)
-    else:
-        trained_returns = [(t, r) for t, r, keep in zip(usable, returns, kept) if keep]
-        metrics = _ppo_update(run, [t for t, _ in trained_returns], [r for _, r in trained_returns], replay)
-    metrics["time/train_s"] = time.perf_counter() - started
-    metrics.update(learned_metrics)
-    metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
+        returns = normalize_per_domain(returns, [t.domain for t in trajectories])
+    return returns, components
+
+
+def _batch_figures(batch: RolloutBatch, step: int, components: dict[str, list[float]], counts: dict[str, int]
+                   ) -> dict[str, float]:
+    metrics = {f"time/{k}": v for k, v in batch.timings.items()}
     metrics.update(batch_metrics(batch.trajectories))
     metrics.update({f"return/{k}": sum(v) / len(v) for k, v in components.items() if v})
     metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
     metrics["policy/version"] = float(step)
     metrics["policy/staleness"] = float(step - batch.policy_version)
+    metrics.update(batch_schedule_metrics(batch))
     return metrics
 
 
@@ -408,49 +441,7 @@ def _ppo_update(run: _Run, trajectories: list, returns: list[float], replay: lis
     return metrics
 
 
-# ---- engine, reference, evaluation -----------------------------------------------------------------------
-
-# evaluate(model, version) -> suite name -> its score (posttrain.evaluate.SuiteEvaluator)
-EvaluateFn = Callable[[Any, int], dict[str, SuiteScore]]
-
-
-def regression_suites(recipe: RLRecipe) -> list[Suite]:
-    """Every domain's held-out items (a suite named by the domain), then the guard's general suites."""
-    suites = []
-    for index, spec in enumerate(recipe.domains):
-        if spec.heldout:
-            tasks = sample_tasks(get_domain(spec.name, **spec.args), spec.heldout, level=spec.levels,
-                                 split="heldout", seed=recipe.runtime.seed + 1000 + index)
-            suites.append(tasks_suite(spec.name, tasks, domain_args=spec.args, seed=recipe.runtime.seed + 1000 + index))
-    for index, suite in enumerate(recipe.schedule.guard.suites):
-        suites.append(regression_suite(suite, seed=recipe.runtime.seed + 2000 + index))
-    return suites
-
-
-def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime) -> EvaluateFn:
-    """Greedy pass@1 of every suite through `posttrain.evaluate`, on an engine of its own (built at the first
-    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts."""
-    sampling = EvalSampling(max_new_tokens=recipe.rollout.sampling.max_new_tokens, greedy=True)
-    eval_runtime = EvalRuntime(batch_size=recipe.rollout.engine_batch_size, infra_retries=recipe.rollout.infra_retries)
-    return SuiteEvaluator(suites, tokenizer, lambda: make_engine(model, tokenizer, runtime, recipe),
-                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type)
-
-
-def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:
-    """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general
-    ones (pass rates over scored episodes; a suite with none scored has none), ``eval/infra_failures[/<suite>]``."""
-    domains = {spec.name for spec in recipe.domains}
-    rates = {name: score.pass_rate for name, score in scores.items() if score.pass_rate is not None}
-    heldout = {name: value for name, value in rates.items() if name in domains}
-    metrics = {f"heldout/{name}": value for name, value in heldout.items()}
-    if heldout:
-        metrics["heldout/mean"] = sum(heldout.values()) / len(heldout)
-    metrics.update({f"regression/{name}": value for name, value in rates.items() if name not in domains})
-    metrics.update({f"eval/infra_failures/{name}": float(score.infra_failures) for name, score in scores.items()})
-    if scores:
-        metrics["eval/infra_failures"] = float(sum(score.infra_failures for score in scores.values()))
-    return metrics
-
+# ---- the self-test ------------------------------------------------------------------------------------
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
     """A few fixed train tasks for the self-test (drawn apart from the run's own sampler)."""
