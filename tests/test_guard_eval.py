@@ -122,5 +122,6 @@ def test_one_regression_suite_schema_for_eval_and_the_guard(tmp_path, suite_file
         RegressionSuite(name="both", path=str(suite_file), domain="arithmetic")
     with pytest.raises(ValueError, match="exactly one of path"):
         RegressionSuite(name="neither")
-    guard_suite = RLRecipe.model_validate({"schedule": {"guard": {"suites": [{"name": "sums", "domain": "arithmetic"}]}}})
+    guard_suite = RLRecipe.model_validate(
+        {"schedule": {"guard": {"suites": [{"name": "sums", "domain": "arithmetic"}]}}})
     assert isinstance(guard_suite.schedule.guard.suites[0], RegressionSuite)

@@ -8,8 +8,8 @@ checkpoint; a rollback restores the guard from the checkpoint it returns to but 
 What it watches (`regression_suites`: every domain's held-out items and the recipe's general suites) is evaluated
 through `posttrain.evaluate` (`suite_evaluator` -> a `SuiteEvaluator`, ``evaluate(model, version)``: the same
 episodes and pass@1 as `posttrain eval`; `eval_metrics_of` names the figures the run logs). A suite's pass rate is
-over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower it nor trip the
-guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks for is the
+over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower
+it nor trip the guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks for is the
 policy's (`rl.backend.replay_sft_backward`), as is the learning-rate scale a rollback leaves (`set_lr_scale`).
 """
 

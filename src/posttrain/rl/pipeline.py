@@ -2,9 +2,9 @@
 *deterministic* staleness, and what the loop records of each batch.
 
 **The pipeline** (`RolloutPipeline`). The trainer takes step k on batch k. With `max_staleness = s`, batch k is
-sampled with the weights of policy version max(k - s, first) — exactly that version, not "whatever is newest": the trainer publishes a snapshot
-of its weights after every step (`publish_weights`), and the producer swaps them into the engine only between
-batches, waiting for the version it needs. So:
+sampled with the weights of policy version max(k - s, first) — exactly that version, not "whatever is newest":
+the trainer publishes a snapshot of its weights after every step (`publish_weights`), and the producer swaps
+them into the engine only between batches, waiting for the version it needs. So:
 
 * s = 0 is the synchronous on-policy loop (batch k waits for the weights of step k - 1);
 * s >= 1 lets the producer sample batch k while the trainer trains on batch k - 1 (generation and training
@@ -18,8 +18,9 @@ over, with the sampler's state at that moment; a checkpoint stores both, so a re
 stream.
 
 **A batch** (`BatchProducer(index, version)`, the pipeline's producer): tasks from the scheduler -> groups of
-episodes -> dynamic sampling. Per batch it asks the task sampler for `prompts_per_step` tasks, rolls out a group of episodes for each (`RolloutFn`: the engine, the environments and
-the verifiers), lets the sampler observe them, and sorts the groups (`posttrain.schedule.groups`):
+episodes -> dynamic sampling. Per batch it asks the task sampler for `prompts_per_step` tasks, rolls out a group
+of episodes for each (`RolloutFn`: the engine, the environments and the verifiers), lets the sampler observe
+them, and sorts the groups (`posttrain.schedule.groups`):
 
 * a group with reward spread reaches the trainer;
 * a group whose scores are all equal carries no signal: with `dynamic_sampling.mode = drop` it is dropped and
