@@ -18,8 +18,8 @@ from posttrain.models import build_tiny_model
 from posttrain.rl.advantages import gae_advantages, whiten
 from posttrain.rl.critic import make_critic
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY, LearnedReward
-from posttrain.rl.returns import episode_return
-from posttrain.rl.step import collate_trajectories, rl_update
+from posttrain.rl.advantages import episode_return
+from posttrain.rl.step import UpdateSettings, collate_trajectories, rl_update
 from posttrain.rl.trainer import run_rl
 from posttrain.train import Runtime, build_optimizer
 from posttrain.train.policy_loss import clipped_value_loss
@@ -136,8 +136,8 @@ def test_ppo_with_a_critic_raises_the_rewarded_completion(tiny_model, tiny_token
         values = critic.values(trajectories)
         advantages, targets = gae_advantages([t.reward.score for t in trajectories], values, 1.0, 1.0)
         rl_update(tiny_model, optimizer, None, trajectories, [a.tolist() for a in whiten(advantages)],
-                  config=recipe.algorithm, runtime=RUNTIME, pad_id=tiny_tokenizer.pad_token_id, temperature=1.0,
-                  micro_batch_size=2, max_grad_norm=None)
+                  UpdateSettings(loss=recipe.algorithm, runtime=RUNTIME, pad_id=tiny_tokenizer.pad_token_id,
+                                 temperature=1.0, micro_batch_size=2, max_grad_norm=None))
         critic.update(trajectories, values, targets)
     assert sum(sequence_logprob(tiny_model, prompt, good)) > before_good + 1.0
     assert sum(sequence_logprob(tiny_model, prompt, bad)) < before_bad

@@ -6,7 +6,7 @@ import torch
 from posttrain.config.rl import PolicyLossConfig
 from posttrain.config import OptimConfig
 from posttrain.rl.advantages import compute_advantages
-from posttrain.rl.step import collate_trajectories, rl_update
+from posttrain.rl.step import UpdateSettings, collate_trajectories, rl_update
 from posttrain.train import Runtime, build_optimizer, selected_logits, target_logprobs
 from posttrain.types import Reward, Trajectory
 
@@ -62,9 +62,9 @@ def test_grpo_step_raises_the_rewarded_completion(tiny_model, tiny_tokenizer):
     for _ in range(5):
         trajectories = [make_trajectory(tiny_model, prompt, c, s) for c, s in [(good, 1.0), (bad, 0.0)] * 2]
         advantages = compute_advantages([t.reward.score for t in trajectories], ["g"] * 4).tolist()
-        stats = rl_update(tiny_model, optimizer, None, trajectories, advantages, config=config, runtime=RUNTIME,
-                          pad_id=tiny_tokenizer.pad_token_id, temperature=1.0, micro_batch_size=2,
-                          max_grad_norm=None)
+        stats = rl_update(tiny_model, optimizer, None, trajectories, advantages,
+                          UpdateSettings(loss=config, runtime=RUNTIME, pad_id=tiny_tokenizer.pad_token_id,
+                                         temperature=1.0, micro_batch_size=2, max_grad_norm=None))
     assert sum(sequence_logprob(tiny_model, prompt, good)) > before_good + 1.0
     assert sum(sequence_logprob(tiny_model, prompt, bad)) < before_bad
     # behaviour log-probs were recomputed by the trainer itself: the measured gap is ~0
@@ -84,9 +84,9 @@ def test_micro_batching_does_not_change_the_gradient(tiny_tokenizer, aggregation
         advantages = compute_advantages([t.reward.score for t in trajectories], ["g"] * 4).tolist()
         before = model.lm_head.weight.detach().clone()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is minus the gradient
-        rl_update(model, optimizer, None, trajectories, advantages, config=PolicyLossConfig(aggregation=aggregation),
-                  runtime=RUNTIME, pad_id=0, temperature=1.0, micro_batch_size=micro, max_grad_norm=None,
-                  normalizer=4)
+        rl_update(model, optimizer, None, trajectories, advantages,
+                  UpdateSettings(loss=PolicyLossConfig(aggregation=aggregation), runtime=RUNTIME, pad_id=0,
+                                 temperature=1.0, micro_batch_size=micro, max_grad_norm=None, normalizer=4))
         grads.append(before - model.lm_head.weight.detach())
     assert grads[0].abs().max() > 1e-4
     torch.testing.assert_close(grads[0], grads[1])

@@ -21,7 +21,7 @@ from posttrain.config.rl import (
     RLRecipe,
     ScheduleConfig,
 )
-from posttrain.rl.rollouts import BatchProducer
+from posttrain.rl.pipeline import BatchProducer
 from posttrain.schedule import (
     CollapseMonitor,
     ForgettingGuard,

@@ -35,6 +35,7 @@ from posttrain.config.eval import (
     RegressionSuite,
 )
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
+from posttrain.config.rl import RLRecipe  # registers stage "rl": `load_recipe(path)` needs no other import
 from posttrain.config.sft import (
     DataSource,
     DecontaminationConfig,
@@ -71,6 +72,7 @@ __all__ = [
     "PreferenceDataConfig",
     "PreferenceTrainConfig",
     "RegressionSuite",
+    "RLRecipe",
     "RMRecipe",
     "RewardModelConfig",
     "RuntimeConfig",

@@ -17,6 +17,7 @@ from posttrain.config.common import (
     Section,
     TrackingConfig,
 )
+from posttrain.config.eval import RegressionSuite
 from posttrain.config.load import recipe
 
 
@@ -215,16 +216,6 @@ class DynamicSamplingConfig(Section):
     mode: Literal["drop", "keep"] = "keep"
     max_extra_groups: float = Field(1.0, ge=0)  # cap on refill generation, a fraction of prompts_per_step
     max_rounds: int = Field(4, gt=0)  # generation rounds per batch, the first included
-
-
-class RegressionSuite(Section):
-    """A general regression suite: held-out items of a domain the run need not train on."""
-
-    name: str
-    domain: str
-    args: dict[str, Any] = {}
-    levels: list[int] = [1]
-    count: int = Field(50, gt=0)
 
 
 class GuardConfig(Section):

@@ -22,7 +22,7 @@ PAIRS_FILE = "dpo_pairs.jsonl"
 
 @demo_stage("dpo")
 def dpo(run: DemoRun) -> dict[str, Any]:
-    from posttrain.rl.records import episode_record
+    from posttrain.rl import episode_record
     from posttrain.train.dpo import run_dpo
 
     started = time.perf_counter()

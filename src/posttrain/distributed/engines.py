@@ -2,7 +2,7 @@
 behind one `EngineGroup` that the RL loop uses like a single engine.
 
 A batch's tasks are split by index into N contiguous shares, one per worker; each worker rolls out its share
-through the same code as one process (`rl.rollouts.engine_rollout`: its own `AsyncBatcher`, the environments,
+through the same code as one process (`rl.pipeline.engine_rollout`: its own `AsyncBatcher`, the environments,
 the verifiers). Sampling seeds are per request (task member, seed), so a share samples the same tokens
 whichever worker runs it and whatever else is batched with it: the batch does not depend on timing.
 
@@ -38,7 +38,7 @@ class RolloutWorker:
 
             install_default_pool(RaySandboxPool(sandbox_workers))
         from posttrain.models import load_model, load_tokenizer
-        from posttrain.rl.rollouts import engine_rollout
+        from posttrain.rl.pipeline import engine_rollout
         from posttrain.train.step import setup_runtime
 
         device = "cuda" if cluster.rollout.num_gpus else "cpu"

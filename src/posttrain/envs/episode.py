@@ -279,7 +279,7 @@ def _classify(reward: Reward, episode: _Episode, task: Task) -> Reward:
     reward.details.setdefault("steps", episode.steps)
     step_cost = float(task.env_args.get("step_cost", 0.0) or 0.0)
     if step_cost:
-        # Same convention as the RL return (`posttrain.rl.returns`): the first step is free.
+        # Same convention as the RL return (`posttrain.rl.advantages.episode_return`): the first step is free.
         reward.components["step_cost"] = -step_cost * max(0, episode.steps - 1)
     if reward.is_infrastructure_failure or reward.passed:
         if reward.passed:

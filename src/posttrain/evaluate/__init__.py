@@ -6,8 +6,10 @@ bad-case attribution, a contamination check and a self-contained HTML report.
     result = evaluate(load_recipe("eval.yaml", schema=EvalRecipe))     # or: posttrain eval eval.yaml
     print(result.figure("sft", "arithmetic"), result.report_path)
 
-Pieces for other rooms (the RL trainer's regression suites, the demo): `load_policy` + `run_items` run tasks
-through one engine, `suite_metrics` / `pass_at_k` score them, `render_report` renders a results dict.
+Pieces for other rooms (the demo): `load_policy` + `run_items` run tasks through one engine, `suite_metrics` /
+`pass_at_k` score them, `render_report` renders a results dict. A training loop (the RL forgetting guard) calls a
+`SuiteEvaluator`: ``evaluate(model, version) -> {suite: SuiteScore}``, the same episodes and the same pass@1
+(infrastructure failures counted, never scored).
 See docs/evaluate.md.
 """
 
@@ -22,13 +24,22 @@ from posttrain.evaluate.metrics import (
     outcome_metrics,
     pass_at_k,
     process_metrics,
+    SuiteScore,
     safety_metrics,
     suite_metrics,
 )
 from posttrain.evaluate.pipeline import EvalResult, evaluate, write_results
 from posttrain.evaluate.report import render_report
-from posttrain.evaluate.runner import Policy, RunStats, load_policy, run_items
-from posttrain.evaluate.suites import Suite, build_suites, fresh_draw, generated_suite, hygiene, tasks_suite
+from posttrain.evaluate.runner import Policy, RunStats, SuiteEvaluator, load_policy, run_items, score_suites
+from posttrain.evaluate.suites import (
+    Suite,
+    build_suites,
+    fresh_draw,
+    generated_suite,
+    hygiene,
+    regression_suite,
+    tasks_suite,
+)
 
 __all__ = [
     "FAILURE_CLASSES",
@@ -39,6 +50,8 @@ __all__ = [
     "Policy",
     "RunStats",
     "Suite",
+    "SuiteEvaluator",
+    "SuiteScore",
     "build_suites",
     "check_contamination",
     "evaluate",
@@ -52,9 +65,11 @@ __all__ = [
     "outcome_metrics",
     "pass_at_k",
     "process_metrics",
+    "regression_suite",
     "render_report",
     "run_items",
     "safety_metrics",
+    "score_suites",
     "suite_metrics",
     "tasks_suite",
     "training_curves",

@@ -15,6 +15,10 @@ with fewer than k of them does not count towards pass@k.
 pass@1 comes from one greedy episode per item when the recipe runs one (`EvalSampling.greedy`), else from the
 samples (c / n). The other figures (mean reward, process metrics, failure classes) are over the same
 "primary" episodes: the greedy ones, else the samples.
+
+`SuiteScore` is the short form a training loop reads (the RL forgetting guard, `SuiteEvaluator`): pass@1 and
+the counts, from the same `outcome_metrics` the results JSON keeps, so a suite's pass rate is one figure
+wherever it is read. A suite whose every episode failed for infrastructure reasons has no pass rate (None).
 """
 
 from __future__ import annotations
@@ -155,6 +159,20 @@ def safety_metrics(items: Sequence[ItemEpisodes]) -> dict[str, Any] | None:
         "over_refusal_rate": _mean([float(bool(t.reward.details.get("refused"))) for t in benign]),
         "benign_accuracy": _mean([float(t.reward.passed) for t in benign]),
     }
+
+
+@dataclass(frozen=True)
+class SuiteScore:
+    """One suite's pass@1 (over its scored episodes; None when none was scored) and its episode counts."""
+
+    pass_rate: float | None
+    episodes: int
+    infra_failures: int
+
+    @classmethod
+    def of(cls, items: Sequence[ItemEpisodes]) -> SuiteScore:
+        figures = outcome_metrics(items)
+        return cls(figures["pass@1"], figures["episodes"], figures["infra_failures"])
 
 
 def suite_metrics(items: Sequence[ItemEpisodes], ks: Sequence[int] = ()) -> dict[str, Any]:

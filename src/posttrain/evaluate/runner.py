@@ -10,6 +10,9 @@ Threads: on a CPU the engine runs in a worker thread while the event loop tokeni
 so the engine gets one core less than torch would take (`EvalRuntime.num_threads` overrides; restored after).
 Oversubscribed OpenMP threads spin against each other: on a shared 2-core machine two engine threads measured
 10-50x slower than one.
+
+`SuiteEvaluator` is the same run for a model still training (the RL forgetting guard): ``evaluate(model,
+version) -> {suite: SuiteScore}``, the weights copied into an engine of its own before each call.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RuntimeConfig
 from posttrain.evaluate.errors import EvalError
-from posttrain.evaluate.metrics import ItemEpisodes
+from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
+from posttrain.evaluate.suites import Suite
 from posttrain.types import SamplingParams, Task, Trajectory
 
 
@@ -107,6 +111,40 @@ async def _collect(policy: Policy, tasks: list[Task], sampling: EvalSampling, ru
                                      top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
             samples = await rollout_many(batcher, tasks, policy.tokenizer, sampled, n=sampling.n, **options)
     return greedy, samples
+
+
+class SuiteEvaluator:
+    """``evaluate(model, version) -> {suite name: SuiteScore}``: every suite's items through `run_items` on an
+    engine of its own (`make_engine()`, built at the first call; a training loop's rollout engine may be a
+    version behind), loaded with `model`'s weights as `version` each time."""
+
+    def __init__(self, suites: Sequence[Suite], tokenizer: Any, make_engine: Callable[[], Any], *,
+                 sampling: EvalSampling | None = None, runtime: EvalRuntime | None = None, device: str = "cpu"):
+        self.suites, self.tokenizer, self._make_engine = list(suites), tokenizer, make_engine
+        self.sampling, self.runtime, self.device = sampling or EvalSampling(), runtime or EvalRuntime(), device
+        self._engine = None
+
+    def __call__(self, model: Any, version: int) -> dict[str, SuiteScore]:
+        tasks = [task for suite in self.suites for task in suite.tasks]
+        if not tasks:
+            return {}
+        from posttrain.rollout import state_for_engine
+
+        if self._engine is None:
+            self._engine = self._make_engine()
+        self._engine.update_weights(state_for_engine(model), version)
+        policy = Policy(self._engine, self.tokenizer, f"<training, version {version}>", self.device)
+        items, _ = run_items(policy, tasks, self.sampling, self.runtime)
+        return score_suites(self.suites, items)
+
+
+def score_suites(suites: Sequence[Suite], items: Sequence[ItemEpisodes]) -> dict[str, SuiteScore]:
+    """`items` (in suite order, as `run_items` returns them for the suites' tasks) scored per suite."""
+    scores, start = {}, 0
+    for suite in suites:
+        scores[suite.name] = SuiteScore.of(items[start:start + len(suite.tasks)])
+        start += len(suite.tasks)
+    return scores
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@
 * ``fresh``: as many again from the same split with a new seed, minus any problem the fixed set has, so that a
   model (or a checkpoint selection) fitted to the fixed set shows as a gap between the two;
 * ``dataset``: every problem of a JSONL / Parquet / saved dataset, through the ``dataset`` domain adapter;
-* ``regression``: a fixed JSONL of tasks (``Task.to_dict()`` lines), optionally with a pass-rate floor.
+* ``regression``: a fixed JSONL of tasks (``Task.to_dict()`` lines), or held-out items drawn from a domain (the
+  RL guard's general suites), optionally with a pass-rate floor.
 
 `hygiene` re-checks the split of every generated suite: a held-out item must hash to the held-out side
 (`posttrain.tasks.split_of`), so no training draw of that domain can ever contain it.
@@ -114,7 +115,17 @@ def dataset_suite(spec: DatasetSuite) -> Suite:
     return Suite(spec.name, "dataset", spec.name, tasks)
 
 
-def regression_suite(spec: RegressionSuite) -> Suite:
+def regression_suite(spec: RegressionSuite, seed: int = 0) -> Suite:
+    """The tasks of a regression suite: the lines of its JSONL file, or `spec.items` held-out items of its domain
+    drawn with `seed` (the RL guard's general suites)."""
+    if spec.domain is not None:
+        try:
+            tasks = sample_tasks(get_domain(spec.domain, **spec.args), spec.items, level=list(spec.levels),
+                                 split="heldout", seed=seed)
+        except TaskError as error:
+            raise EvalError(f"regression suite '{spec.name}': {error}") from None
+        return Suite(spec.name, "regression", spec.name, tasks, seed=seed, min_pass_rate=spec.min_pass_rate,
+                     domain_args=dict(spec.args))
     path = Path(spec.path)
     if not path.is_file():
         raise EvalError(f"suites.regression '{spec.name}': {path}: no such file")
@@ -127,8 +138,8 @@ def regression_suite(spec: RegressionSuite) -> Suite:
         except (json.JSONDecodeError, TypeError, KeyError) as error:
             raise EvalError(f"{path}:{line_no}: not a task ({type(error).__name__}: {error}); a regression "
                             "suite is JSONL of Task.to_dict() records") from None
-    if spec.limit:
-        tasks = tasks[: spec.limit]
+    if spec.items:
+        tasks = tasks[: spec.items]
     return Suite(spec.name, "regression", spec.name, tasks, min_pass_rate=spec.min_pass_rate)
 
 

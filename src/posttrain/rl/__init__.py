@@ -1,30 +1,33 @@
-"""Reinforcement learning with verifiable rewards: advantages, returns, the RL update, the rollout pipeline
-and the recipe that runs them (`posttrain rl`; docs/rl.md).
+"""Reinforcement learning with verifiable rewards: returns and advantages, the RL update, the rollout pipeline,
+the forgetting guard and the recipe that runs them (`posttrain rl`; docs/rl.md; the loop: `rl.trainer`).
 
     from posttrain.rl import run_rl
     result = run_rl(load_recipe("rl.yaml", schema=RLRecipe))
 """
 
-from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain
+from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain
 from posttrain.rl.backend import LocalPolicy, RLBackend, engine_state, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
-from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
-from posttrain.rl.records import episode_record
-from posttrain.rl.returns import episode_return
+from posttrain.rl.guarding import RunGuard
+from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
-from posttrain.rl.step import rl_update
+from posttrain.rl.step import DataShard, UpdateSettings, rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
 
 __all__ = [
+    "BatchProducer",
     "Critic",
+    "DataShard",
     "LearnedReward",
     "LocalPolicy",
     "RLBackend",
     "RLResult",
     "RolloutBatch",
     "RolloutPipeline",
+    "RunGuard",
     "SelfTestError",
+    "UpdateSettings",
     "compute_advantages",
     "engine_state",
     "engine_trainer_self_test",

@@ -1,4 +1,21 @@
-"""Advantage estimators for outcome rewards (one scalar reward per sampled sequence).
+"""From an episode to its learning signal: its return (the verifier's outcome plus the costs and shaping a
+recipe asks for), then its advantage (group-relative estimators, or per-token GAE with a critic).
+
+**Returns.**
+
+    return = outcome                                   (the verifier's score, in [0, 1])
+           - step_cost  * (steps - 1)                  (agentic episodes: fewer steps is better)
+           - token_cost * policy tokens                (shorter is better)
+           + process_weight * process reward           (the environment's per-step judgement, if any)
+           + learned                                   (the recipe's `reward_model:` weight x its score,
+                                                        when one is configured: `rl.learned_reward`)
+           + overlong penalty                          (DAPO's soft penalty: 0 up to L - B tokens, then
+                                                        linear down to -penalty at the limit L)
+
+Every component is returned by name so the trainer logs them separately; what the model is trained on
+is their sum. `overlong: mask` instead removes truncated episodes from the loss (see `rl.step`).
+
+**Advantages** for outcome rewards (one scalar return per sampled sequence).
 
 Sequences sampled for the same prompt form a group (`group_ids`). With r the rewards of a group of n:
 
@@ -39,8 +56,48 @@ from typing import Literal, Sequence
 
 import torch
 
+from posttrain.config.rl import ReturnConfig
+from posttrain.types import Trajectory
+
 Estimator = Literal["grpo", "dr_grpo", "rloo", "batch_norm"]
 EPS = 1e-6
+
+
+def episode_return(trajectory: Trajectory, config: ReturnConfig, max_new_tokens: int,
+                   learned: float | None = None) -> tuple[float, dict[str, float]]:
+    components = {"outcome": float(trajectory.reward.score)}
+    if learned is not None:
+        components["learned"] = learned
+    if config.step_cost:
+        components["step_cost"] = -config.step_cost * max(0, trajectory.steps - 1)
+    if config.token_cost:
+        components["token_cost"] = -config.token_cost * trajectory.policy_tokens
+    if config.process_weight:
+        process = trajectory.reward.components.get("process", trajectory.metadata.get("process_reward", 0.0))
+        components["process"] = config.process_weight * float(process)
+    if config.overlong == "penalty":
+        components["overlong"] = overlong_penalty(
+            _longest_turn(trajectory), trajectory.truncated, max_new_tokens, config.overlong_buffer,
+            config.overlong_penalty,
+        )
+    return sum(components.values()), components
+
+
+def overlong_penalty(length: int, truncated: bool, limit: int, buffer: int, penalty: float) -> float:
+    if truncated or length >= limit:
+        return -penalty
+    start = limit - buffer
+    if buffer <= 0 or length <= start:
+        return 0.0
+    return -penalty * (length - start) / buffer
+
+
+def _longest_turn(trajectory: Trajectory) -> int:
+    longest, current = 0, 0
+    for flag in trajectory.loss_mask:
+        current = current + 1 if flag else 0
+        longest = max(longest, current)
+    return longest
 
 
 def _groups(group_ids: Sequence[str]) -> dict[str, list[int]]:

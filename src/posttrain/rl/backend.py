@@ -5,7 +5,9 @@
 `posttrain.distributed` builds another backend (engine actors, an FSDP trainer group) and the loop in
 `rl.trainer` stays the same. Also here: what an engine is served (`engine_state`: the merged weights of a
 LoRA policy) and the reference policy for the KL term (`make_reference`: the adapter switched off under
-LoRA, a frozen copy otherwise).
+LoRA, a frozen copy otherwise), the replay SFT loss the forgetting guard adds to an update
+(`replay_sft_backward`: its gradient is accumulated before the RL update and the RL update's optimizer step takes
+both) and the learning-rate scale a rollback leaves (`set_lr_scale`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Any, Callable, Protocol
 import torch
 
 from posttrain.config.rl import RLRecipe
+from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
-from posttrain.rl.guarding import replay_sft_backward, set_lr_scale
-from posttrain.rl.rollouts import RolloutFn, engine_rollout
-from posttrain.rl.step import DataShard, rl_update
+from posttrain.rl.pipeline import RolloutFn, engine_rollout
+from posttrain.rl.step import DataShard, UpdateSettings, rl_update, train_temperature
 from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
@@ -121,6 +124,7 @@ class LocalPolicy:
         self.scheduler = build_scheduler(self.optimizer, recipe.optim,
                                          recipe.train.max_steps * recipe.train.updates_per_batch)
         self.base_lrs = list(self.scheduler.base_lrs)
+        self.settings = UpdateSettings.of(recipe, runtime, tokenizer.pad_token_id)
 
     def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
                ) -> dict[str, float]:
@@ -134,13 +138,8 @@ class LocalPolicy:
                                                coef=guard.replay_coef * self.replay_scale,
                                                max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
                                                micro_batch_size=recipe.train.micro_batch_size))
-        stats = rl_update(
-            model, self.optimizer, self.scheduler, trajectories, advantages,
-            config=recipe.algorithm, runtime=self.runtime, pad_id=self.tokenizer.pad_token_id,
-            temperature=train_temperature(recipe), micro_batch_size=recipe.train.micro_batch_size,
-            max_grad_norm=recipe.optim.max_grad_norm, normalizer=recipe.rollout.sampling.max_new_tokens,
-            updates_per_batch=recipe.train.updates_per_batch, reference=self.reference, shard=self.shard,
-        ) if trajectories else {}
+        stats = rl_update(model, self.optimizer, self.scheduler, trajectories, advantages, self.settings,
+                          reference=self.reference, shard=self.shard) if trajectories else {}
         if not trajectories and "guard/replay_loss" in metrics:
             if self.shard is not None:
                 self.shard.reduce_gradients(model)
@@ -217,11 +216,6 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
     return copy_reference
 
 
-def train_temperature(recipe: RLRecipe) -> float:
-    temperature = recipe.rollout.sampling.temperature
-    return temperature if temperature > 0 else 1.0
-
-
 def thread_budget(threads: int | None) -> Callable[[], None] | None:
     if not threads:
         return None
@@ -230,3 +224,36 @@ def thread_budget(threads: int | None) -> Callable[[], None] | None:
         torch.set_num_threads(threads)
 
     return setup
+
+
+def replay_sft_backward(model: torch.nn.Module, samples: list[SFTSample], tokenizer, runtime: Runtime, *,
+                        coef: float, max_length: int, reasoning: str, micro_batch_size: int) -> dict[str, float]:
+    """Accumulate ``coef * mean token cross-entropy`` over the replay demonstrations into the gradients (the
+    caller's optimizer step applies it together with the RL loss)."""
+    tokenized = tokenize_samples(samples, tokenizer, max_length, reasoning).samples
+    if not tokenized:
+        return {}
+    rows = [Row(s.input_ids, s.loss_mask, list(range(len(s))), [0] * len(s)) for s in tokenized]
+    batches = [collate(rows[i : i + micro_batch_size], tokenizer.pad_token_id, device=runtime.device)
+               for i in range(0, len(rows), micro_batch_size)]
+    trained = sum(int((batch["labels"] != -100).sum()) for batch in batches)
+    if trained == 0:
+        return {}
+    model.train()
+    total = 0.0
+    for batch in batches:
+        with runtime.autocast():
+            summed, _ = sft_loss_sum(model, batch)
+        (coef * summed / trained).backward()
+        total += float(summed.detach())
+    return {"guard/replay_loss": total / trained, "guard/replay_tokens": float(trained),
+            "guard/replay_samples": float(len(rows))}
+
+
+def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, base_lrs: list[float], scale: float) -> None:
+    """Scale the learning rate of a `LambdaLR` schedule from now on (the schedule's shape is kept)."""
+    scheduler.base_lrs = [lr * scale for lr in base_lrs]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

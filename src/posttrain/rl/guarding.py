@@ -5,89 +5,82 @@ healthy ("good"), how many rollbacks it took and the learning-rate scale they le
 checkpoint; a rollback restores the guard from the checkpoint it returns to but keeps the rollback history
 (count, lr scale, events), so the lower learning rate and the story of the run survive the rollback.
 
-Also here: the regression suites and their greedy evaluation (`SuiteEvaluator`), the replay SFT loss a
-regressed domain gets (`replay_sft_backward`: its gradient is accumulated before the RL update and the RL
-update's optimizer step takes both), and `set_lr_scale`.
+What it watches (`regression_suites`: every domain's held-out items and the recipe's general suites) is evaluated
+through `posttrain.evaluate` (`suite_evaluator` -> a `SuiteEvaluator`, ``evaluate(model, version)``: the same
+episodes and pass@1 as `posttrain eval`; `eval_metrics_of` names the figures the run logs). A suite's pass rate is
+over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower
+it nor trip the guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks for is the
+policy's (`rl.backend.replay_sft_backward`), as is the learning-rate scale a rollback leaves (`set_lr_scale`).
 """
 
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-import torch
-
+from posttrain.config import EvalRuntime, EvalSampling
 from posttrain.config.rl import RLRecipe
-from posttrain.data import Row, collate, tokenize_samples
 from posttrain.data.schema import SFTSample
+from posttrain.evaluate import Suite, SuiteEvaluator, SuiteScore, regression_suite, tasks_suite
+from posttrain.rl.backend import make_engine
+from posttrain.rl.backend import set_lr_scale  # noqa: F401 - `rl.critic` imports it from here (the policy's)
 from posttrain.schedule import CollapseMonitor, ForgettingGuard, replay_samples
 from posttrain.tasks import get_domain, sample_tasks
-from posttrain.train.losses import sft_loss_sum
 from posttrain.train.step import Runtime
-from posttrain.types import SamplingParams, Task
 
 
-def regression_suites(recipe: RLRecipe) -> dict[str, list[Task]]:
-    """Suite name -> tasks: every domain's held-out items (named by the domain), then the general suites."""
-    suites: dict[str, list[Task]] = {}
+# evaluate(model, version) -> suite name -> its score (posttrain.evaluate.SuiteEvaluator)
+EvaluateFn = Callable[[Any, int], dict[str, SuiteScore]]
+
+
+def regression_suites(recipe: RLRecipe) -> list[Suite]:
+    """Every domain's held-out items (a suite named by the domain), then the guard's general suites."""
+    suites = []
     for index, spec in enumerate(recipe.domains):
         if spec.heldout:
-            suites[spec.name] = sample_tasks(get_domain(spec.name, **spec.args), spec.heldout, level=spec.levels,
-                                             split="heldout", seed=recipe.runtime.seed + 1000 + index)
+            tasks = sample_tasks(get_domain(spec.name, **spec.args), spec.heldout, level=spec.levels,
+                                 split="heldout", seed=recipe.runtime.seed + 1000 + index)
+            suites.append(tasks_suite(spec.name, tasks, domain_args=spec.args, seed=recipe.runtime.seed + 1000 + index))
     for index, suite in enumerate(recipe.schedule.guard.suites):
-        suites[suite.name] = sample_tasks(get_domain(suite.domain, **suite.args), suite.count, level=suite.levels,
-                                          split="heldout", seed=recipe.runtime.seed + 2000 + index)
+        suites.append(regression_suite(suite, seed=recipe.runtime.seed + 2000 + index))
     return suites
 
 
-def suite_metrics(recipe: RLRecipe, results: dict[str, float]) -> dict[str, float]:
-    """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general."""
+def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime) -> EvaluateFn:
+    """Greedy pass@1 of every suite through `posttrain.evaluate`, on an engine of its own (built at the first
+    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts."""
+    sampling = EvalSampling(max_new_tokens=recipe.rollout.sampling.max_new_tokens, greedy=True)
+    eval_runtime = EvalRuntime(batch_size=recipe.rollout.engine_batch_size, infra_retries=recipe.rollout.infra_retries)
+    return SuiteEvaluator(suites, tokenizer, lambda: make_engine(model, tokenizer, runtime, recipe),
+                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type)
+
+
+def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:
+    """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general
+    ones (pass rates over scored episodes; a suite with none scored has none), ``eval/infra_failures[/<suite>]``."""
     domains = {spec.name for spec in recipe.domains}
-    heldout = {name: value for name, value in results.items() if name in domains}
+    rates = {name: score.pass_rate for name, score in scores.items() if score.pass_rate is not None}
+    heldout = {name: value for name, value in rates.items() if name in domains}
     metrics = {f"heldout/{name}": value for name, value in heldout.items()}
     if heldout:
         metrics["heldout/mean"] = sum(heldout.values()) / len(heldout)
-    metrics.update({f"regression/{name}": value for name, value in results.items() if name not in domains})
+    metrics.update({f"regression/{name}": value for name, value in rates.items() if name not in domains})
+    metrics.update({f"eval/infra_failures/{name}": float(score.infra_failures) for name, score in scores.items()})
+    if scores:
+        metrics["eval/infra_failures"] = float(sum(score.infra_failures for score in scores.values()))
     return metrics
 
 
-class SuiteEvaluator:
-    """Greedy pass rate per suite, on an engine of its own (the rollout engine may be a version behind)."""
-
-    def __init__(self, model, tokenizer, suites: dict[str, list[Task]], max_new_tokens: int, make_engine):
-        self.model, self.tokenizer, self.suites = model, tokenizer, suites
-        self.max_new_tokens, self._make_engine = max_new_tokens, make_engine
-        self._engine = None
-
-    def __call__(self, version: int) -> dict[str, float]:
-        tasks = [task for suite in self.suites.values() for task in suite]
-        if not tasks:
-            return {}
-        from posttrain.envs import run_episodes
-        from posttrain.rollout import state_for_engine
-
-        if self._engine is None:
-            self._engine = self._make_engine()
-        self._engine.update_weights(state_for_engine(self.model), version)
-        sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
-        trajectories = run_episodes(self._engine, tasks, self.tokenizer, sampling)
-        passed: dict[str, list[bool]] = defaultdict(list)
-        names = [name for name, suite in self.suites.items() for _ in suite]
-        for name, trajectory in zip(names, trajectories):
-            passed[name].append(trajectory.reward.passed)
-        return {name: sum(v) / len(v) for name, v in passed.items()}
-
-
 class RunGuard:
-    def __init__(self, recipe: RLRecipe, suites: dict[str, list[Task]]):
+    def __init__(self, recipe: RLRecipe, suites: Sequence[Suite]):
         self.recipe = recipe
         self.config = recipe.schedule
         mixed = {spec.name for spec in recipe.domains}
-        suite_domains = {name: name for name in suites if name in mixed}
+        names = {suite.name for suite in suites}
+        suite_domains = {name: name for name in names if name in mixed}
         suite_domains.update({s.name: s.domain if s.domain in mixed else None for s in self.config.guard.suites
-                              if s.name in suites})
+                              if s.name in names})
         self.forgetting = ForgettingGuard(self.config.guard, suite_domains)
         self.monitor = CollapseMonitor(self.config.alarms)
         self.has_suites = bool(suites)
@@ -96,7 +89,8 @@ class RunGuard:
         self.good_steps: list[int] = []
         self.events: list[dict[str, Any]] = []
         specs = {spec.name: (spec.name, spec.args, spec.levels) for spec in recipe.domains}
-        specs.update({s.name: (s.domain, s.args, s.levels) for s in self.config.guard.suites})
+        # A suite read from a file (no domain) has no demonstrations to replay.
+        specs.update({s.name: (s.domain, s.args, s.levels) for s in self.config.guard.suites if s.domain})
         self._replay_specs = specs
         self._replay_sources: dict[str, tuple[Any, list[int]]] = {}
 
@@ -111,9 +105,12 @@ class RunGuard:
         guard = self.config.guard
         return bool(self.has_suites and guard.enabled and guard.baseline and (guard.every or self.recipe.train.eval_every))
 
-    def after_eval(self, step: int, results: dict[str, float]) -> list[dict[str, Any]]:
-        events = self.forgetting.update(step, results) if self.config.guard.enabled else []
-        domains = [results[spec.name] for spec in self.recipe.domains if spec.name in results]
+    def after_eval(self, step: int, scores: dict[str, SuiteScore]) -> list[dict[str, Any]]:
+        """Fold an evaluation in: the suites' pass rates (infrastructure failures left out; a suite with nothing
+        scored is not read) -> regressions, recoveries and the reward-hacking alarm."""
+        rates = {name: score.pass_rate for name, score in scores.items() if score.pass_rate is not None}
+        events = self.forgetting.update(step, rates) if self.config.guard.enabled else []
+        domains = [rates[spec.name] for spec in self.recipe.domains if spec.name in rates]
         if domains:
             events += self.monitor.observe_eval(step, sum(domains) / len(domains))
         return self._record(events)
@@ -124,7 +121,7 @@ class RunGuard:
         return self._record(self.monitor.observe_step(step, metrics))
 
     def replay_batch(self, step: int) -> list[SFTSample]:
-        suites = self.forgetting.replay_suites()
+        suites = [suite for suite in self.forgetting.replay_suites() if suite in self._replay_specs]
         if not suites:
             return []
         rng = random.Random(f"replay:{self.recipe.runtime.seed}:{step}:{self.rollbacks}")
@@ -187,36 +184,3 @@ class RunGuard:
             name, args, levels = self._replay_specs[suite]
             self._replay_sources[suite] = (get_domain(name, **args), list(levels))
         return self._replay_sources[suite]
-
-
-def replay_sft_backward(model: torch.nn.Module, samples: list[SFTSample], tokenizer, runtime: Runtime, *,
-                        coef: float, max_length: int, reasoning: str, micro_batch_size: int) -> dict[str, float]:
-    """Accumulate ``coef * mean token cross-entropy`` over the replay demonstrations into the gradients (the
-    caller's optimizer step applies it together with the RL loss)."""
-    tokenized = tokenize_samples(samples, tokenizer, max_length, reasoning).samples
-    if not tokenized:
-        return {}
-    rows = [Row(s.input_ids, s.loss_mask, list(range(len(s))), [0] * len(s)) for s in tokenized]
-    batches = [collate(rows[i : i + micro_batch_size], tokenizer.pad_token_id, device=runtime.device)
-               for i in range(0, len(rows), micro_batch_size)]
-    trained = sum(int((batch["labels"] != -100).sum()) for batch in batches)
-    if trained == 0:
-        return {}
-    model.train()
-    total = 0.0
-    for batch in batches:
-        with runtime.autocast():
-            summed, _ = sft_loss_sum(model, batch)
-        (coef * summed / trained).backward()
-        total += float(summed.detach())
-    return {"guard/replay_loss": total / trained, "guard/replay_tokens": float(trained),
-            "guard/replay_samples": float(len(rows))}
-
-
-def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, base_lrs: list[float], scale: float) -> None:
-    """Scale the learning rate of a `LambdaLR` schedule from now on (the schedule's shape is kept)."""
-    scheduler.base_lrs = [lr * scale for lr in base_lrs]
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -8,6 +8,9 @@ gap between the engine's behaviour log-probs and the trainer's log-probs of the 
 An advantage is one number per trajectory (group-relative estimators: repeated on each of its policy tokens) or
 a sequence with one number per policy token, in order (PPO with a critic: `rl.advantages.gae_advantages`).
 
+What an update does is one typed object, `UpdateSettings` (the loss, precision, padding, temperature, batch
+sizes, clipping), built once from the recipe (`UpdateSettings.of(recipe, runtime, pad_id)`).
+
 A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-batches); sequences of one
 mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
 to the mini-batch's.
@@ -24,7 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from posttrain.config.rl import PolicyLossConfig
+from posttrain.config.rl import PolicyLossConfig, RLRecipe
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.policy_loss import (
     aggregate,
@@ -59,6 +62,34 @@ class DataShard(Protocol):
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """After the backward passes of an optimizer step: the ranks' gradients summed on every rank."""
         ...
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Everything an RL update needs besides the model, its optimizer and the batch."""
+
+    loss: PolicyLossConfig  # the recipe's `algorithm:` section: ratio, clipping, aggregation, KL, entropy
+    runtime: Runtime  # device and autocast
+    pad_id: int
+    temperature: float  # the sampling temperature the log-probs are scored at (1 for greedy sampling)
+    micro_batch_size: int  # sequences per forward/backward
+    max_grad_norm: float | None
+    normalizer: float | None = None  # the `constant` aggregation's divisor (the recipe: max_new_tokens)
+    updates_per_batch: int = 1  # optimizer steps per batch (PPO mini-batches)
+
+    @classmethod
+    def of(cls, recipe: RLRecipe, runtime: Runtime, pad_id: int) -> UpdateSettings:
+        sampling = recipe.rollout.sampling
+        return cls(loss=recipe.algorithm, runtime=runtime, pad_id=pad_id,
+                   temperature=train_temperature(recipe),
+                   micro_batch_size=recipe.train.micro_batch_size, max_grad_norm=recipe.optim.max_grad_norm,
+                   normalizer=sampling.max_new_tokens, updates_per_batch=recipe.train.updates_per_batch)
+
+
+def train_temperature(recipe: RLRecipe) -> float:
+    """The temperature log-probs are scored at: the sampling temperature (1 for greedy sampling)."""
+    temperature = recipe.rollout.sampling.temperature
+    return temperature if temperature > 0 else 1.0
 
 
 @dataclass
@@ -134,15 +165,8 @@ def rl_update(
     scheduler,
     trajectories: Sequence[Trajectory],
     advantages: Sequence[float | Sequence[float]],
+    settings: UpdateSettings,
     *,
-    config: PolicyLossConfig,
-    runtime: Runtime,
-    pad_id: int,
-    temperature: float,
-    micro_batch_size: int,
-    max_grad_norm: float | None,
-    normalizer: float | None = None,
-    updates_per_batch: int = 1,
     reference: ReferenceFn | None = None,
     shard: DataShard | None = None,
 ) -> dict[str, float]:
@@ -151,47 +175,45 @@ def rl_update(
     if not trajectories:
         return {}
     model.train()
-    minis = mini_batches(trajectories, updates_per_batch)
+    minis = mini_batches(trajectories, settings.updates_per_batch)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     proximal = None
-    if config.old_policy == "proximal" and updates_per_batch > 1:
+    if settings.loss.old_policy == "proximal" and settings.updates_per_batch > 1:
         # With one update per batch the trainer's log-probs before the update are those of the loss forward.
-        proximal = _proximal_logprobs(model, trajectories, advantages, longest_first(trajectories), runtime,
-                                      pad_id, temperature, micro_batch_size)
+        proximal = _proximal_logprobs(model, trajectories, advantages, longest_first(trajectories), settings)
     for mini in minis:
         if not mini:
             continue
-        total_tokens = sum(trajectories[i].policy_tokens for i in mini)
-        stats = _accumulate_gradients(
-            model, trajectories, advantages, mini, config, runtime, pad_id, temperature, micro_batch_size,
-            total_tokens, normalizer, reference, proximal, shard,
-        )
-        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, max_grad_norm)
+        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, shard)
+        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1
     return {key: totals[key] / counts[key] for key in totals}
 
 
-def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyLossConfig, runtime: Runtime,
-                          pad_id, temperature, micro_batch_size, total_tokens, normalizer, reference,
-                          proximal, shard: DataShard | None = None) -> dict[str, float]:
+def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings,
+                          reference: ReferenceFn | None, proximal: dict[int, torch.Tensor] | None,
+                          shard: DataShard | None) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
+    config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
+    total_tokens = sum(trajectories[i].policy_tokens for i in mini)
     loss_total = 0.0
     weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
     ratio_max, ratio_min = float("-inf"), float("inf")
     trainer_logprobs, behaviour_logprobs = [], []
+    size = settings.micro_batch_size
     if shard is None:
-        chunks = [mini[start : start + micro_batch_size] for start in range(0, len(mini), micro_batch_size)]
+        chunks = [mini[start : start + size] for start in range(0, len(mini), size)]
     else:
-        chunks = shard.micro_batches(mini, micro_batch_size)
+        chunks = shard.micro_batches(mini, size)
     for chunk in chunks:
         if not chunk:
             shard.idle_backward(model)
             continue
-        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk], pad_id,
-                                     runtime.device)
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
+                                     settings.pad_id, runtime.device)
         num_seqs = len(chunk)
         with runtime.autocast():
             logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
@@ -207,7 +229,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini, config: PolicyL
                 weights = truncated_importance_weights(old, micro.behaviour, config.tis_cap)
 
         def reduce(per_token: torch.Tensor) -> torch.Tensor:
-            return aggregate(per_token, micro.seq_index, num_seqs, config.aggregation, normalizer,
+            return aggregate(per_token, micro.seq_index, num_seqs, config.aggregation, settings.normalizer,
                              total_tokens=total_tokens, total_seqs=len(mini))
 
         per_token, stats = per_token_policy_loss(
@@ -260,17 +282,19 @@ def _combine_ranks(shard: DataShard, loss_total, weighted, ratio_max, ratio_min,
 
 
 @torch.no_grad()
-def _proximal_logprobs(model, trajectories, advantages, order, runtime, pad_id, temperature, micro_batch_size):
+def _proximal_logprobs(model, trajectories, advantages, order: list[int], settings: UpdateSettings
+                       ) -> dict[int, torch.Tensor]:
     """The trainer's log-probs of each trajectory's scored tokens before any update, by trajectory index."""
     model.eval()
     cache: dict[int, torch.Tensor] = {}
-    for start in range(0, len(order), micro_batch_size):
-        chunk = order[start : start + micro_batch_size]
-        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk], pad_id,
-                                     runtime.device)
+    runtime, size = settings.runtime, settings.micro_batch_size
+    for start in range(0, len(order), size):
+        chunk = order[start : start + size]
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
+                                     settings.pad_id, runtime.device)
         with runtime.autocast():
             logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
-        logprobs = target_logprobs(logits, micro.targets, temperature)
+        logprobs = target_logprobs(logits, micro.targets, settings.temperature)
         for row, index in enumerate(chunk):
             cache[index] = logprobs[micro.seq_index == row]
     model.train()

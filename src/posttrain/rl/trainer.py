@@ -1,27 +1,32 @@
-"""The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> (rollouts -> rewards ->
-advantages -> update -> weights to the engine -> guard)* -> checkpoint.
+"""The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> iterations -> checkpoint.
 
     posttrain rl recipe.yaml [--resume]
 
-Rollouts come from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness` versions) through
-`rl.rollouts` (dynamic sampling), episodes from `posttrain.envs` (token-exact trajectories verified by each
-task's own verifier), tasks from a `posttrain.schedule` sampler (by default the `Scheduler` the recipe's
-`schedule:` section configures). Infrastructure failures are retried by the episode loop and, if they persist,
-masked out of the batch and counted — never trained on as a reward of 0.
+One iteration (`_iteration`, the whole of it in one function):
 
-The guard (`rl.guarding`) evaluates regression suites every N steps; a regressed suite boosts its domain's
-share (from a batch index fixed in advance, so threaded and inline runs agree) and/or adds a replay SFT loss.
-A collapse alarm can, by recipe, roll the run back to the last good checkpoint with a lower learning rate.
-Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``.
+    batch       rollouts for step k from `rl.pipeline` (ahead of training by at most `pipeline.max_staleness`
+                versions; dynamic sampling; infrastructure failures retried by the episode loop, then masked out
+                and counted, never trained on as a reward of 0)
+    returns     each trainable episode's return (`rl.advantages.episode_return`: the verifier's outcome, costs,
+                shaping, a learned reward component when the recipe has `reward_model:`)
+    advantages  group-relative (`compute_advantages`), or with `algorithm.advantage: gae` per-token GAE from the
+                critic's values (`rl.critic`), which trains beside the policy
+    update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.step.rl_update`, its settings one
+                `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
+    weights     the new version published to the engine(s)
+    guard       every N steps the suites are evaluated through `posttrain.evaluate` (`evaluate(model, version)`:
+                the same episodes and pass@1 as `posttrain eval`, infrastructure failures counted, never scored);
+                `rl.guarding.RunGuard` turns a regression into a domain boost (from a batch index fixed in
+                advance, so threaded and inline runs agree) and/or replay SFT, and a collapse alarm can roll the
+                run back to the last good checkpoint with a lower learning rate
+
+Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``schedule_events.jsonl``; every episode
+goes to ``episodes.jsonl`` (the data flywheel). Tasks come from a `posttrain.schedule` sampler (by default the
+`Scheduler` the recipe's `schedule:` section configures).
 
 Where the policy trains and where rollouts run is an `RLBackend` (`rl.backend`): `run_rl` uses `local_backend`
 (this process: the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes
-its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same. What is recorded of
-each batch (metrics, episode records, events) is in `rl.records`.
-
-RLHF pieces, by recipe: a learned reward component (`reward_model:`, `rl.learned_reward`) adds a reward model's
-weighted score to every trained trajectory's return; `algorithm.advantage: gae` trains a critic (`rl.critic`)
-beside the policy and feeds the policy per-token GAE advantages instead of group-relative ones.
+its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 
 from posttrain.config import ConfigError, dump_recipe
@@ -47,35 +52,30 @@ from posttrain.models import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.rl.advantages import compute_advantages, gae_advantages, normalize_per_domain, whiten
-from posttrain.rl.guarding import (
-    RunGuard,
-    SuiteEvaluator,
-    regression_suites,
-    suite_metrics,
-)
-from posttrain.rl.backend import (
-    BackendFactory,
-    PolicyTrainer,
-    RLBackend,
-    local_backend,
-    make_engine,
-)
+from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain, whiten
+from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
-from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
-from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe_event, episode_record, select_trainable
-from posttrain.rl.returns import episode_return
-from posttrain.rl.rollouts import BatchProducer, sampling_params
+from posttrain.rl.pipeline import (
+    BatchProducer,
+    RolloutBatch,
+    RolloutPipeline,
+    batch_metrics,
+    batch_schedule_metrics,
+    describe_event,
+    episode_record,
+    sampling_params,
+    select_trainable,
+)
+from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train.step import Runtime, prepare_model, setup_runtime
-from posttrain.types import Task
+from posttrain.types import Task, Trajectory
 
 EPISODES_FILE = "episodes.jsonl"
-FAILURES_FILE = "failures.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
 SUMMARY_FILE = "schedule_summary.json"
 
@@ -94,6 +94,7 @@ class RLResult:
     mix_sampled: dict[str, float] = field(default_factory=dict)  # share of groups sampled, whole run
     mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
     events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
+    infra_failures: dict[str, int] = field(default_factory=dict)  # per suite at the final evaluation, never scored
 
 
 @dataclass
@@ -196,14 +197,12 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
-    model = policy.full_model()  # the evaluator reads it; `full_model()` brings it up to date before each use
-    evaluator = SuiteEvaluator(model, tokenizer, suites, recipe.rollout.sampling.max_new_tokens,
-                               lambda: make_engine(model, tokenizer, runtime, recipe))
+    evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime)
     history: list[dict[str, float]] = []
-    episodes_log = open(output_dir / EPISODES_FILE, "a", encoding="utf-8")
-    events_log = open(output_dir / EVENTS_FILE, "a", encoding="utf-8")
+    logs = _Logs(open(output_dir / EPISODES_FILE, "a", encoding="utf-8"),
+                 open(output_dir / EVENTS_FILE, "a", encoding="utf-8"))
     if checkpoint is None and run.guard.wants_baseline():
-        baseline, _ = _evaluate(run, evaluator, 0, events_log)
+        baseline, _ = _evaluate(run, evaluate, 0, logs.events)
         tracker.log(baseline, step=0)
     run.pipeline = _start_pipeline(run, cursor, pending)
     try:
@@ -212,32 +211,16 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             if recipe.train.max_minutes is not None and cursor.train_seconds >= recipe.train.max_minutes * 60:
                 say(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
                 break
-            started = time.perf_counter()
-            batch = run.pipeline.next_batch()
-            replay = run.guard.replay_batch(cursor.step)
-            metrics = _train_on(run, batch, cursor.step, replay)
+            metrics, events = _iteration(run, cursor.step, evaluate, logs)
             cursor.step += 1
-            # A stale batch is sampled from an older version: keep a copy the optimizer will not touch.
-            run.pipeline.publish_weights(cursor.step, policy.weights(copy=recipe.pipeline.max_staleness > 0))
-            _log_episodes(episodes_log, batch)
-            metrics["time/step_s"] = time.perf_counter() - started
-            cursor.train_seconds += metrics["time/step_s"]
-            metrics.update(batch_schedule_metrics(batch))
-            events: list[dict[str, Any]] = []
-            if run.guard.evaluates_at(cursor.step):
-                policy.full_model()
-                eval_metrics, events = _evaluate(run, evaluator, cursor.step, events_log)
-                metrics.update(eval_metrics)
-            events += _report_events(run.guard.after_step(cursor.step, metrics), events_log)
+            cursor.train_seconds += metrics["time/step_s"]  # the time budget counts training, not evaluation
             alarms = [event for event in events if event["kind"] in ALARM_KINDS]
-            metrics.update(run.guard.metrics())
-            metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, f"reward {metrics.get('reward/mean', 0):.3f}")
             history.append(metrics)
             step = cursor.step
             if run.guard.should_roll_back(alarms):
-                cursor = _roll_back(run, cursor, events_log)
+                cursor = _roll_back(run, cursor, logs.events)
             elif recipe.train.save_every and step % recipe.train.save_every == 0:
                 _save(run, cursor)
                 run.guard.mark_saved(step, alarms)
@@ -247,13 +230,13 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer, merge_lora=True)
         if run.critic is not None:
             run.critic.save(output_dir / "critic")
-        final = evaluator(cursor.step) if suites else {}
+        final = evaluate(policy.full_model(), cursor.step) if suites else {}
         if final:
-            tracker.log(suite_metrics(recipe, final), step=cursor.step)
+            tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
     finally:
         run.pipeline.close()
-        episodes_log.close()
-        events_log.close()
+        logs.episodes.close()
+        logs.events.close()
         tracker.close()
     result = _result(run, cursor, final_dir, final, history)
     (output_dir / SUMMARY_FILE).write_text(json.dumps(_summary(result), indent=2) + "\n")
@@ -275,17 +258,17 @@ def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> 
     )
 
 
-def _evaluate(run: _Run, evaluator: SuiteEvaluator, step: int, events_log
+def _evaluate(run: _Run, evaluate: EvaluateFn, step: int, events_log
               ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Evaluate the suites, feed the guard, and hand its boosts to the sampler from a fixed batch index on."""
-    results = evaluator(step)
+    scores = evaluate(run.policy.full_model(), step)
     before = run.guard.forgetting.boosted_domains()
-    events = _report_events(run.guard.after_eval(step, results), events_log)
+    events = _report_events(run.guard.after_eval(step, scores), events_log)
     boosted = run.guard.forgetting.boosted_domains()
     if boosted != before and hasattr(run.sampler, "boost_domains"):
         # The producer may already be drawing batches up to step + max_staleness: the boost starts after them.
         run.sampler.boost_domains(boosted, step + run.recipe.pipeline.max_staleness + 1)
-    metrics = suite_metrics(run.recipe, results)
+    metrics = eval_metrics_of(run.recipe, scores)
     metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
     return metrics, events
 
@@ -336,7 +319,7 @@ def _report_events(events: list[dict[str, Any]], events_log) -> list[dict[str, A
     return events
 
 
-def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float],
+def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, SuiteScore],
             history: list[dict[str, float]]) -> RLResult:
     last = history[-1] if history else {}
     names = [spec.name for spec in run.recipe.domains]
@@ -344,7 +327,7 @@ def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float]
     def per_domain(prefix: str, cast=float) -> dict[str, Any]:
         return {name: cast(last[f"{prefix}/{name}"]) for name in names if f"{prefix}/{name}" in last}
 
-    metrics = suite_metrics(run.recipe, final)
+    metrics = eval_metrics_of(run.recipe, final)
     return RLResult(
         run.output_dir, final_dir, cursor.step, cursor.train_seconds,
         heldout={k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")},
@@ -353,50 +336,96 @@ def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, float]
         curriculum=per_domain("curriculum", int), curriculum_peak=per_domain("curriculum/peak", int),
         mix_sampled=per_domain("mix/sampled"), mix_trained=per_domain("mix/trained"),
         events=[dict(e) for e in run.guard.events],
+        infra_failures={name: score.infra_failures for name, score in final.items()},
     )
 
 
 def _summary(result: RLResult) -> dict[str, Any]:
     return {"steps": result.steps, "heldout": result.heldout, "regression": result.regression,
             "curriculum": result.curriculum, "curriculum_peak": result.curriculum_peak,
-            "mix_sampled": result.mix_sampled, "mix_trained": result.mix_trained, "events": result.events}
+            "mix_sampled": result.mix_sampled, "mix_trained": result.mix_trained, "events": result.events,
+            "infra_failures": result.infra_failures}
 
 
-# ---- the batch -> update step --------------------------------------------------------------------------
+# ---- one iteration: batch -> returns -> advantages -> update -> weights -> guard ---------------------------
 
 
-def _train_on(run: _Run, batch: RolloutBatch, step: int, replay: list | None = None) -> dict[str, float]:
+@dataclass
+class _Logs:
+    episodes: IO[str]  # episodes.jsonl
+    events: IO[str]  # schedule_events.jsonl
+
+
+def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple[dict[str, float], list[dict]]:
+    """Step `step` -> version `step + 1`: its metrics and the guard's events."""
     recipe, policy = run.recipe, run.policy
-    usable, counts = select_trainable(batch.trajectories, step, recipe)
-    learned_metrics = run.learned_reward.annotate(usable) if run.learned_reward is not None else {}
+    began = time.perf_counter()
+    # batch: what the pipeline sampled for this step, less what must not be trained on
+    batch = run.pipeline.next_batch()
+    replay = run.guard.replay_batch(step)
+    trajectories, counts = select_trainable(batch.trajectories, step, recipe)
+    metrics = run.learned_reward.annotate(trajectories) if run.learned_reward is not None else {}
+
+    # returns
+    returns, components = _returns(run, trajectories)
+    # `overlong: mask` keeps a truncated episode in its group's baseline but out of the loss.
+    kept = [not (recipe.returns.overlong == "mask" and t.truncated) for t in trajectories]
+    counts["overlong_masked"] = kept.count(False)
+
+    # advantages -> update (with a critic: its values -> GAE -> the policy's and the critic's updates)
+    started = time.perf_counter()
+    if run.critic is None:
+        advantages = compute_advantages(returns, [t.group_id for t in trajectories], recipe.algorithm.advantage,
+                                        scale=recipe.algorithm.scale_advantages).tolist()
+        trained = [(t, a) for t, a, keep in zip(trajectories, advantages, kept) if keep]
+        metrics.update(policy.update([t for t, _ in trained], [a for _, a in trained], replay))
+    else:
+        trained = [(t, r) for t, r, keep in zip(trajectories, returns, kept) if keep]
+        metrics.update(_ppo_update(run, [t for t, _ in trained], [r for _, r in trained], replay))
+    metrics["time/train_s"] = time.perf_counter() - started
+
+    # weights: version step + 1 to the engine(s). A stale batch is sampled from an older version: keep a copy the
+    # optimizer will not touch.
+    run.pipeline.publish_weights(step + 1, policy.weights(copy=recipe.pipeline.max_staleness > 0))
+    _log_episodes(logs.episodes, batch)
+    metrics.update(_batch_figures(batch, step, components, counts))
+    metrics["time/step_s"] = time.perf_counter() - began
+
+    # guard: the suites every N steps, the collapse alarms every step
+    events: list[dict[str, Any]] = []
+    if run.guard.evaluates_at(step + 1):
+        eval_metrics, events = _evaluate(run, evaluate, step + 1, logs.events)
+        metrics.update(eval_metrics)
+    events += _report_events(run.guard.after_step(step + 1, metrics), logs.events)
+    metrics.update(run.guard.metrics())
+    metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
+    return metrics, events
+
+
+def _returns(run: _Run, trajectories: list[Trajectory]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each episode's return (normalized per domain when the recipe asks) and its named components."""
+    recipe = run.recipe
     returns, components = [], defaultdict(list)
-    for trajectory in usable:
+    for trajectory in trajectories:
         learned = run.learned_reward.weighted(trajectory) if run.learned_reward is not None else None
         total, parts = episode_return(trajectory, recipe.returns, recipe.rollout.sampling.max_new_tokens, learned)
         returns.append(total)
         for name, value in parts.items():
             components[name].append(value)
     if recipe.algorithm.normalize_per_domain:
-        returns = normalize_per_domain(returns, [t.domain for t in usable])
-    kept = [not (recipe.returns.overlong == "mask" and t.truncated) for t in usable]
-    counts["overlong_masked"] = kept.count(False)
-    started = time.perf_counter()
-    if run.critic is None:
-        advantages = compute_advantages(returns, [t.group_id for t in usable], recipe.algorithm.advantage,
-                                        scale=recipe.algorithm.scale_advantages).tolist()
-        trained = [(t, a) for t, a, keep in zip(usable, advantages, kept) if keep]
-        metrics = policy.update([t for t, _ in trained], [a for _, a in trained], replay)
-    else:
-        trained_returns = [(t, r) for t, r, keep in zip(usable, returns, kept) if keep]
-        metrics = _ppo_update(run, [t for t, _ in trained_returns], [r for _, r in trained_returns], replay)
-    metrics["time/train_s"] = time.perf_counter() - started
-    metrics.update(learned_metrics)
-    metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
+        returns = normalize_per_domain(returns, [t.domain for t in trajectories])
+    return returns, components
+
+
+def _batch_figures(batch: RolloutBatch, step: int, components: dict[str, list[float]], counts: dict[str, int]
+                   ) -> dict[str, float]:
+    metrics = {f"time/{k}": v for k, v in batch.timings.items()}
     metrics.update(batch_metrics(batch.trajectories))
     metrics.update({f"return/{k}": sum(v) / len(v) for k, v in components.items() if v})
     metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
     metrics["policy/version"] = float(step)
     metrics["policy/staleness"] = float(step - batch.policy_version)
+    metrics.update(batch_schedule_metrics(batch))
     return metrics
 
 
@@ -412,8 +441,7 @@ def _ppo_update(run: _Run, trajectories: list, returns: list[float], replay: lis
     return metrics
 
 
-# ---- engine, reference, evaluation -----------------------------------------------------------------------
-
+# ---- the self-test ------------------------------------------------------------------------------------
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
     """A few fixed train tasks for the self-test (drawn apart from the run's own sampler)."""

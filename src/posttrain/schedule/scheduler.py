@@ -1,6 +1,6 @@
 """The RL stage's task scheduler: mixing, curriculum, priority sampling, dedup and infrastructure retries.
 
-One batch, as the rollout producer drives it (`posttrain.rl.rollouts`):
+One batch, as the rollout producer drives it (`posttrain.rl.pipeline.BatchProducer`):
 
     scheduler.begin_batch(index)          # guard directives due at `index` take effect
     tasks = scheduler.next_batch(P)       # P groups, split over domains by target / keep rate
