@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import posttrain.models.parts as model_parts
 import posttrain.train.dpo as dpo_module
 from posttrain.cli import main as cli_main
 from posttrain.config import DPORecipe, LoraConfig, ModelConfig, RuntimeConfig, load_recipe
@@ -123,12 +124,12 @@ def test_short_rows_use_plain_attention_with_the_same_result(pairs_dir, tiny_tok
     for implementation in ("sdpa", "posttrain_varlen"):
         model = load_model(ModelConfig(preset="tiny-1m", attn_implementation=implementation), tiny_tokenizer)
         seen = []
-        monkeypatch.setattr(dpo_module, "EAGER_ATTENTION_MAX_TOKENS_CPU", 256)
+        monkeypatch.setattr(model_parts, "EAGER_ATTENTION_MAX_TOKENS_CPU", 256)
         with dpo_module.attention_kernel(model, batch["groups"][0]["input_ids"]):
             seen.append(model.config._attn_implementation)
         assert seen == ["eager"] and model.config._attn_implementation == implementation
         plain, _ = sequence_logprobs(model, batch)
-        monkeypatch.setattr(dpo_module, "EAGER_ATTENTION_MAX_TOKENS_CPU", 0)
+        monkeypatch.setattr(model_parts, "EAGER_ATTENTION_MAX_TOKENS_CPU", 0)
         fused, _ = sequence_logprobs(model, batch)
         torch.testing.assert_close(plain, fused, rtol=0, atol=1e-4)
 

@@ -31,6 +31,7 @@ STAGES: dict[str, tuple[str, str]] = {
              "posttrain.cli.stages:data"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
+    "export": ("a run's model as plain safetensors: LoRA merged, dtype cast", "posttrain.cli.export:main"),
 }
 
 
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--out", required=True, help="output JSONL")
             sub.add_argument("--per-task", type=int, default=2, help="pairs: at most this many per task")
             sub.add_argument("--source", default=None, help="metadata.source (default: the episodes file)")
+        elif name == "export":
+            from posttrain.cli.export import add_arguments
+
+            add_arguments(sub)
         elif name == "recipes":
             sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
         else:

@@ -17,7 +17,7 @@ from posttrain.config.dpo import (
     DPORecipe,
     PreferenceDataConfig,
     PreferenceTrainConfig,
-    RewardModelConfig,
+    RMLossConfig,
     RMRecipe,
 )
 from posttrain.config.eval import (
@@ -72,7 +72,7 @@ __all__ = [
     "PreferenceTrainConfig",
     "RegressionSuite",
     "RMRecipe",
-    "RewardModelConfig",
+    "RMLossConfig",
     "RuntimeConfig",
     "SFTDataConfig",
     "SFTRecipe",
