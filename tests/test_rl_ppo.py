@@ -220,7 +220,7 @@ def test_ppo_with_a_reward_model_resumes_exactly(policy_dir, reward_model_dir, t
         run_rl(rlhf_recipe(policy_dir, reward_model_dir, tmp_path / "crashed"), on_step=crash)
     checkpoint = tmp_path / "crashed" / "checkpoints" / "step-000002"
     critic_config = json.loads((checkpoint / "critic" / "config.json").read_text())  # the critic beside the policy
-    assert critic_config["architectures"] == ["LlamaForSequenceClassification"] and critic_config["num_labels"] == 1
+    assert critic_config["architectures"] == ["LlamaForSequenceClassification"] and len(critic_config["id2label"]) == 1
     resumed = run_rl(rlhf_recipe(policy_dir, reward_model_dir, tmp_path / "crashed"), resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]
     assert figures(resumed) == figures(full)[2:]
