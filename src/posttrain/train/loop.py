@@ -101,7 +101,7 @@ def train_loop(
             metrics = window.metrics(figures.grad_norm, scheduler.get_last_lr()[0], rate_name)
             metrics["train/epoch"] = cursor.epoch + cursor.row / max(len(items), 1)
             tracker.log(metrics, step=cursor.step)
-            tracker.advance(cursor.step, progress(metrics) if progress else f"loss {metrics['train/loss']:.4f}")
+            tracker.advance(cursor.step, progress(metrics) if progress else "")
             window = _Window()
         if config.eval_every and cursor.step % config.eval_every == 0 and evaluate is not None:
             if evaluate():
