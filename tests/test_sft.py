@@ -149,7 +149,8 @@ def test_lora_sft_saves_a_merged_plain_model(tmp_path, data_file):
     merged = AutoModelForCausalLM.from_pretrained(result.final_dir)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     # the adapter is folded in: the final weights are the last checkpoint's merged ones, and not the base's
-    final, last = load_file(str(result.final_dir / "model.safetensors")), load_file(str(checkpoint / "model.safetensors"))
+    final = load_file(str(result.final_dir / "model.safetensors"))
+    last = load_file(str(checkpoint / "model.safetensors"))
     assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
     first = load_file(str(result.output_dir / "checkpoints" / "step-000002" / "model.safetensors"))
     assert any(not torch.equal(final[k], first[k]) for k in final)
