@@ -63,5 +63,7 @@ def test_bad_sources_are_clear_errors(tmp_path, tiny_tokenizer):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="not a model directory"):
         export_model(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(ModelError, match="would replace what is exported"):
+        export_model(tmp_path / "empty", tmp_path)
     with pytest.raises(ModelError, match="--dtype"):
         export_model(tmp_path / "empty", tmp_path / "out", dtype="int8")

@@ -35,8 +35,8 @@ def export_model(source: str | Path, destination: str | Path, *, dtype: str | No
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     source, destination = Path(source), Path(destination)
-    if destination.resolve() == source.resolve() or source.resolve() in destination.resolve().parents:
-        raise ModelError(f"{destination}: export into another directory than the run's own")
+    if destination.resolve() == source.resolve() or destination.resolve() in source.resolve().parents:
+        raise ModelError(f"{destination}: the destination would replace what is exported from ({source})")
     model_dir, adapter_dir = resolve_export_source(source)
     model = _load(model_dir)
     if adapter_dir is not None:
