@@ -4,6 +4,7 @@ bad input, and the packaged recipes."""
 import copy
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import posttrain.models.parts as model_parts
 import posttrain.train.dpo as dpo_module
 from posttrain.cli import main as cli_main
 from posttrain.config import DPORecipe, LoraConfig, ModelConfig, RuntimeConfig, load_recipe
@@ -123,12 +125,12 @@ def test_short_rows_use_plain_attention_with_the_same_result(pairs_dir, tiny_tok
     for implementation in ("sdpa", "posttrain_varlen"):
         model = load_model(ModelConfig(preset="tiny-1m", attn_implementation=implementation), tiny_tokenizer)
         seen = []
-        monkeypatch.setattr(dpo_module, "EAGER_ATTENTION_MAX_TOKENS_CPU", 256)
+        monkeypatch.setattr(model_parts, "EAGER_ATTENTION_MAX_TOKENS_CPU", 256)
         with dpo_module.attention_kernel(model, batch["groups"][0]["input_ids"]):
             seen.append(model.config._attn_implementation)
         assert seen == ["eager"] and model.config._attn_implementation == implementation
         plain, _ = sequence_logprobs(model, batch)
-        monkeypatch.setattr(dpo_module, "EAGER_ATTENTION_MAX_TOKENS_CPU", 0)
+        monkeypatch.setattr(model_parts, "EAGER_ATTENTION_MAX_TOKENS_CPU", 0)
         fused, _ = sequence_logprobs(model, batch)
         torch.testing.assert_close(plain, fused, rtol=0, atol=1e-4)
 
@@ -167,11 +169,21 @@ def test_lora_run_trains_the_adapter_and_saves_a_merged_model(pairs_dir, tmp_pat
     assert (tmp_path / "lora" / "checkpoints" / "step-000003" / "adapter").is_dir()
 
 
+# Step 1 starts from policy == reference: cdpo's loss is log 2 whatever the label smoothing, IPO's is
+# (1 / (2 beta))^2 = 25 at beta 0.1; SimPO (no reference) and every step 2 are pinned as measured (fp32, one
+# thread; re-pin deliberately as tests/test_pinned_losses.py says).
+PINNED_LOSSES = {"cdpo": (math.log(2), 0.6857024431228638), "ipo": (25.0, 24.697309494018555),
+                 "simpo": (0.9483009576797485, 0.9240690469741821)}
+
+
 @pytest.mark.parametrize("loss", ["cdpo", "ipo", "simpo"])
-def test_every_loss_runs(pairs_dir, tmp_path, loss):
+def test_every_loss_runs_with_its_pinned_figures(pairs_dir, tmp_path, loss):
     extra = ["dpo.beta=2.0", "dpo.gamma=0.5"] if loss == "simpo" else []
-    result = run_dpo(recipe_for(pairs_dir, tmp_path / loss, f"dpo.loss={loss}", "train.max_steps=2", *extra))
-    assert result.steps == 2 and torch.isfinite(torch.tensor(result.train_loss))
+    seen: dict[int, float] = {}
+    result = run_dpo(recipe_for(pairs_dir, tmp_path / loss, f"dpo.loss={loss}", "train.max_steps=2",
+                                "runtime.precision=fp32", *extra), on_step=lambda s, m: seen.__setitem__(s, m["loss"]))
+    assert result.steps == 2
+    assert (seen[1], seen[2]) == pytest.approx(PINNED_LOSSES[loss], abs=2e-5)
     assert (tmp_path / loss / "reference_logprobs.pt").exists() == (loss != "simpo")
 
 

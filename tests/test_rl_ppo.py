@@ -14,7 +14,7 @@ from test_rl_step import agentic_trajectory, make_trajectory, sequence_logprob
 
 from posttrain.config import ConfigError, load_recipe
 from posttrain.config.rl import ReturnConfig, RewardModelConfig, RLRecipe
-from posttrain.models import build_tiny_model
+from posttrain.models import ScalarRewardModel, build_tiny_model, load_reward_model, save_reward_model
 from posttrain.rl.advantages import gae_advantages, whiten
 from posttrain.rl.critic import make_critic
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY, LearnedReward
@@ -23,11 +23,6 @@ from posttrain.rl.step import UpdateSettings, collate_trajectories, rl_update
 from posttrain.rl.trainer import run_rl
 from posttrain.train import Runtime, build_optimizer
 from posttrain.train.policy_loss import clipped_value_loss
-from posttrain.train.reward_model import (
-    ScalarRewardModel,
-    load_reward_model,
-    save_reward_model,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = Runtime(device=torch.device("cpu"), autocast_dtype=None)
@@ -152,7 +147,7 @@ def test_ppo_with_a_critic_raises_the_rewarded_completion(tiny_model, tiny_token
 def reward_model_dir(tmp_path_factory, tiny_tokenizer):
     """A tiny reward model built directly (random trunk and head): a fixed function of the token ids."""
     path = tmp_path_factory.mktemp("rm") / "final"
-    model = ScalarRewardModel(build_tiny_model("tiny-1m", tiny_tokenizer, seed=3))
+    model = ScalarRewardModel.from_causal_lm(build_tiny_model("tiny-1m", tiny_tokenizer, seed=3))
     return save_reward_model(path, model, tiny_tokenizer, mean=0.05, std=0.5)
 
 
@@ -224,13 +219,14 @@ def test_ppo_with_a_reward_model_resumes_exactly(policy_dir, reward_model_dir, t
     with pytest.raises(KeyboardInterrupt):
         run_rl(rlhf_recipe(policy_dir, reward_model_dir, tmp_path / "crashed"), on_step=crash)
     checkpoint = tmp_path / "crashed" / "checkpoints" / "step-000002"
-    assert (checkpoint / "critic" / "reward_head.safetensors").is_file()  # the critic beside the policy
+    critic_config = json.loads((checkpoint / "critic" / "config.json").read_text())  # the critic beside the policy
+    assert critic_config["architectures"] == ["LlamaForSequenceClassification"] and len(critic_config["id2label"]) == 1
     resumed = run_rl(rlhf_recipe(policy_dir, reward_model_dir, tmp_path / "crashed"), resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]
     assert figures(resumed) == figures(full)[2:]
     assert_same_files(full.final_dir, resumed.final_dir, ["model.safetensors"])
     assert_same_files(tmp_path / "full" / "critic", tmp_path / "crashed" / "critic",
-                      ["model.safetensors", "reward_head.safetensors"])
+                      ["model.safetensors"])
     # the finished critic is a reward-model directory: it loads as a scorer (or as the next run's critic)
     assert isinstance(load_reward_model(tmp_path / "full" / "critic").score_ids([[3, 4, 5]])[0], float)
 

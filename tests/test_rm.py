@@ -1,4 +1,6 @@
-"""The reward-model recipe: it ranks held-out pairs above chance, and its saved form loads as a scorer."""
+"""The reward-model recipe: it ranks held-out pairs above chance, it is saved as a plain transformers
+`AutoModelForSequenceClassification` that scores what we score, any such model loads as a scorer and as PPO's
+critic, and a run resumes exactly."""
 
 import importlib.util
 import json
@@ -6,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, LlamaForSequenceClassification
 
-from posttrain.config import RMRecipe, load_recipe
-from posttrain.models import ModelError
-from posttrain.train.reward_model import HEAD_FILE, HEAD_META, load_reward_model, run_rm
+from posttrain.config import ConfigError, RMRecipe, load_recipe
+from posttrain.models import ModelError, load_reward_model, save_model_dir, tiny_config
+from posttrain.models.reward import STATS_FILE
+from posttrain.train.reward_model import run_rm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,16 +30,24 @@ def write_pairs(directory: Path, train: int, heldout: int) -> Path:
     return directory
 
 
+def rm_recipe(pairs: Path, output: Path, *overrides: str) -> RMRecipe:
+    return load_recipe(ROOT / "src/posttrain/recipes/rm-arithmetic.yaml", [
+        f"output_dir={output}", f"data.train=[{{path: {pairs}/train.jsonl}}]",
+        f"data.heldout=[{{path: {pairs}/heldout.jsonl}}]", "model.preset=tiny-1m", "optim.lr=3e-3",
+        "tracking.tensorboard=false", "tracking.progress=false", "runtime.num_threads=1", *overrides], RMRecipe)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A reward model trained on 1,000 arithmetic pairs (chosen = the right sum, rejected = a random wrong one)."""
     root = tmp_path_factory.mktemp("rm")
     pairs = write_pairs(root / "pairs", 1000, 200)
-    recipe = load_recipe(ROOT / "src/posttrain/recipes/rm-arithmetic.yaml", [
-        f"output_dir={root / 'run'}", f"data.train=[{{path: {pairs}/train.jsonl}}]",
-        f"data.heldout=[{{path: {pairs}/heldout.jsonl}}]", "model.preset=tiny-1m", "train.epochs=2",
-        "optim.lr=3e-3", "tracking.tensorboard=false", "tracking.progress=false", "runtime.num_threads=1"], RMRecipe)
-    return run_rm(recipe), pairs
+    return run_rm(rm_recipe(pairs, root / "run", "train.epochs=2")), pairs
+
+
+def heldout_conversations(pairs: Path) -> list[tuple[list, list]]:
+    records = [json.loads(line) for line in (pairs / "heldout.jsonl").read_text().splitlines()]
+    return [(r["prompt"] + [r["chosen"]], r["prompt"] + [r["rejected"]]) for r in records]
 
 
 def test_reward_model_ranks_heldout_pairs_above_chance(trained):
@@ -44,17 +57,31 @@ def test_reward_model_ranks_heldout_pairs_above_chance(trained):
     assert result.heldout["loss"] < result.heldout_start["loss"]
 
 
+def test_saved_reward_model_is_a_plain_sequence_classifier_that_scores_as_ours(trained):
+    result, pairs = trained
+    reward = load_reward_model(result.output_dir)  # a run directory resolves to its final/
+    hf = AutoModelForSequenceClassification.from_pretrained(result.final_dir).eval()
+    assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1
+    conversations = [c for pair in heldout_conversations(pairs)[:8] for c in pair]
+    ids = [reward._ids(c) for c in conversations]
+    pad = reward.tokenizer.pad_token_id
+    batch = torch.full((len(ids), max(map(len, ids))), pad)
+    for row, sequence in enumerate(ids):
+        batch[row, : len(sequence)] = torch.tensor(sequence)
+    with torch.no_grad():  # transformers reads each right-padded row at its last non-pad token, as we do
+        theirs = hf(input_ids=batch).logits.squeeze(-1)
+    torch.testing.assert_close(torch.tensor(reward(conversations)), theirs, rtol=0, atol=1e-5)
+    assert theirs.std() > 1e-3  # not a constant: the comparison above could fail
+
+
 def test_saved_reward_model_scores_conversations_and_token_ids(trained):
     result, pairs = trained
     final = result.final_dir
-    meta = json.loads((final / HEAD_META).read_text())
-    assert meta["format"] == "posttrain-reward-head/1" and meta["score_position"] == "last_token"
-    assert (final / HEAD_FILE).is_file() and (final / "config.json").is_file()
+    stats = json.loads((final / STATS_FILE).read_text())
+    assert stats["format"] == "posttrain-reward-stats/1" and stats["std"] > 0
 
-    reward = load_reward_model(result.output_dir)  # a run directory resolves to its final/
-    record = json.loads((pairs / "heldout.jsonl").read_text().splitlines()[0])
-    chosen = record["prompt"] + [record["chosen"]]
-    rejected = record["prompt"] + [record["rejected"]]
+    reward = load_reward_model(final)
+    chosen, rejected = heldout_conversations(pairs)[0]
     single = reward(chosen)
     assert isinstance(single, float)
     batch = reward([chosen, rejected])
@@ -65,13 +92,13 @@ def test_saved_reward_model_scores_conversations_and_token_ids(trained):
     assert reward([ids, ids[:-1]])[0] == pytest.approx(single, abs=1e-5)
 
     normalized = load_reward_model(final, normalize=True)
-    assert normalized(chosen) == pytest.approx((single - meta["mean"]) / meta["std"], abs=1e-4)
+    assert normalized(chosen) == pytest.approx((single - stats["mean"]) / stats["std"], abs=1e-4)
 
     # Held-out ranking through the loader agrees with the recipe's figure.
-    records = [json.loads(line) for line in (pairs / "heldout.jsonl").read_text().splitlines()]
-    chosen_scores = reward([r["prompt"] + [r["chosen"]] for r in records])
-    rejected_scores = reward([r["prompt"] + [r["rejected"]] for r in records])
-    accuracy = sum(c > r for c, r in zip(chosen_scores, rejected_scores)) / len(records)
+    conversations = heldout_conversations(pairs)
+    chosen_scores = reward([c for c, _ in conversations])
+    rejected_scores = reward([r for _, r in conversations])
+    accuracy = sum(c > r for c, r in zip(chosen_scores, rejected_scores)) / len(conversations)
     assert accuracy == pytest.approx(result.heldout["accuracy"], abs=0.02)
 
 
@@ -80,16 +107,76 @@ def test_checkpoint_keeps_the_head_for_resume(trained):
     from posttrain.models import latest_checkpoint, load_training_state
 
     state = load_training_state(latest_checkpoint(result.output_dir))
-    assert set(state["reward_head"]) == {"weight", "bias"}
-    from safetensors.torch import load_file
-
-    head = load_file(str(result.final_dir / HEAD_FILE))  # the final head is the last checkpoint's
-    torch.testing.assert_close(head["weight"], state["reward_head"]["weight"].float())
+    assert set(state["reward_head"]) == {"weight"}  # transformers' score head has no bias
+    final = load_file(str(result.final_dir / "model.safetensors"))  # the final head is the last checkpoint's
+    torch.testing.assert_close(final["score.weight"], state["reward_head"]["weight"].float())
 
 
-def test_loading_something_else_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelError, match="not a posttrain reward model"):
+def test_resume_is_exact(tmp_path):
+    pairs = write_pairs(tmp_path / "pairs", 64, 0)
+    overrides = ("train.max_steps=6", "train.save_every=2", "train.batch_size=8", "runtime.precision=fp32",
+                 "data.heldout=[]")
+    straight: dict[int, float] = {}
+    run_rm(rm_recipe(pairs, tmp_path / "straight", *overrides), on_step=lambda s, m: straight.__setitem__(s, m["loss"]))
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(step, metrics):
+        if step == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_rm(rm_recipe(pairs, tmp_path / "crashed", *overrides), on_step=stop_at_3)
+    resumed: dict[int, float] = {}
+    run_rm(rm_recipe(pairs, tmp_path / "crashed", *overrides), resume=True,
+           on_step=lambda s, m: resumed.__setitem__(s, m["loss"]))
+    assert sorted(resumed) == [3, 4, 5, 6]  # from the checkpoint of step 2
+    for step in resumed:
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), step
+
+
+def test_a_sequence_classifier_from_elsewhere_scores_and_inits_the_critic(tmp_path, tiny_tokenizer):
+    """Any one-label AutoModelForSequenceClassification is a reward model (and PPO's critic), not only ours."""
+    config = tiny_config("tiny-1m", tiny_tokenizer)
+    config.num_labels = 1
+    torch.manual_seed(5)
+    foreign = LlamaForSequenceClassification(config).eval()
+    directory = save_model_dir(tmp_path / "foreign", foreign, tiny_tokenizer)
+    assert not (directory / STATS_FILE).exists()
+    reward = load_reward_model(directory, normalize=True)  # no statistics: normalizing is the identity
+    sequences = [[3, 30, 31, 1, 40, 1], [3, 30, 1]]
+    batch = torch.full((2, 6), tiny_tokenizer.pad_token_id)
+    for row, ids in enumerate(sequences):
+        batch[row, : len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        theirs = foreign(input_ids=batch).logits.squeeze(-1)
+    torch.testing.assert_close(torch.tensor(reward.score_ids(sequences)), theirs, rtol=0, atol=1e-5)
+
+    from posttrain.config.rl import RLRecipe
+    from posttrain.models import build_tiny_model
+    from posttrain.rl.critic import make_critic
+    from posttrain.train import Runtime
+
+    recipe = RLRecipe.model_validate({"algorithm": {"advantage": "gae"}, "critic": {"path": str(directory)}})
+    runtime = Runtime(device=torch.device("cpu"), autocast_dtype=None)
+    critic = make_critic(recipe, build_tiny_model("tiny-1m", tiny_tokenizer), tiny_tokenizer, runtime)
+    ids = torch.tensor([sequences[0]])
+    with torch.no_grad():
+        every_position = foreign(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        expected = foreign.score(every_position)[0, :-1, 0]
+    values = critic.model.token_values(ids, torch.ones((1, 5), dtype=torch.bool))
+    torch.testing.assert_close(values.detach(), expected, rtol=0, atol=1e-5)
+
+
+def test_loading_something_else_is_a_clear_error(tmp_path, tiny_model, tiny_tokenizer):
+    with pytest.raises(ModelError, match="not a reward model \\(no config.json\\)"):
         load_reward_model(tmp_path)
-    (tmp_path / HEAD_META).write_text(json.dumps({"format": "other/9"}))
-    with pytest.raises(ModelError, match="unknown reward head format 'other/9'"):
-        load_reward_model(tmp_path)
+    causal = save_model_dir(tmp_path / "causal", tiny_model, tiny_tokenizer)
+    with pytest.raises(ModelError, match="architectures \\['LlamaForCausalLM'\\].*num_labels 1"):
+        load_reward_model(causal)
+
+
+def test_lora_reward_model_cannot_skip_the_merge():
+    with pytest.raises(ConfigError, match="merge_on_save: false is not available for rm"):
+        load_recipe(None, ["model.lora.enabled=true", "model.lora.merge_on_save=false"], RMRecipe)

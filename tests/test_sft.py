@@ -11,13 +11,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import SFTRecipe, load_recipe
+from posttrain.data import prepare_sft_data
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import read_metrics
-from posttrain.train.sft import run_sft
+from posttrain.train import setup_runtime
+from posttrain.train.sft import evaluate_loss, run_sft
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,13 @@ def test_sft_learns_and_writes_a_plain_hf_model(tmp_path, data_file):
     losses = step_losses(result.output_dir)
     assert losses[25] < losses[1] * 0.6
     assert result.heldout_loss is not None and result.heldout_loss < losses[1]
-    assert AutoModelForCausalLM.from_pretrained(result.final_dir) is not None
+    # The saved directory is the trained model: plain transformers loads it, and its held-out loss is the run's.
+    model = AutoModelForCausalLM.from_pretrained(result.final_dir)
+    tokenizer = AutoTokenizer.from_pretrained(result.final_dir)
+    data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=tmp_path)
+    runtime = setup_runtime(recipe.runtime)
+    reloaded = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime, recipe.train.batch_size)
+    assert reloaded == pytest.approx(result.heldout_loss, abs=1e-5)
     assert (result.output_dir / "tensorboard").exists() is False  # tensorboard off in this recipe
     assert (result.output_dir / "recipe.yaml").is_file()
 
@@ -134,8 +144,41 @@ def test_lora_sft_saves_a_merged_plain_model(tmp_path, data_file):
                                       train={"max_steps": 3, "save_every": 2}), schema=SFTRecipe)
     result = run_sft(recipe)
     assert not (result.final_dir / "adapter_config.json").exists()
-    assert (result.output_dir / "checkpoints" / "step-000003" / "adapter" / "adapter_config.json").is_file()
-    assert AutoModelForCausalLM.from_pretrained(result.final_dir) is not None
+    checkpoint = result.output_dir / "checkpoints" / "step-000003"
+    assert (checkpoint / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(result.final_dir)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    # the adapter is folded in: the final weights are the last checkpoint's merged ones, and not the base's
+    final = load_file(str(result.final_dir / "model.safetensors"))
+    last = load_file(str(checkpoint / "model.safetensors"))
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    first = load_file(str(result.output_dir / "checkpoints" / "step-000002" / "model.safetensors"))
+    assert any(not torch.equal(final[k], first[k]) for k in final)
+
+
+def test_lora_without_merge_on_save_keeps_the_adapter_and_export_merges_it(tmp_path, data_file):
+    recipe = load_recipe(write_recipe(tmp_path, data_file, model={"lora": {"enabled": True, "r": 4,
+                                                                           "merge_on_save": False}},
+                                      train={"max_steps": 2}), schema=SFTRecipe)
+    result = run_sft(recipe)
+    assert (result.final_dir / "adapter_config.json").is_file()  # the adapter alone, as asked
+    assert not (result.final_dir / "model.safetensors").exists()
+
+    exported = run_cli("export", str(result.output_dir), str(tmp_path / "export"), "--dtype", "bfloat16")
+    assert exported.returncode == 0, exported.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert model.dtype == torch.bfloat16 and not any("lora" in n for n, _ in model.named_parameters())
+    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    merged = load_file(str(result.output_dir / "checkpoints" / "step-000002" / "model.safetensors"))
+    assert weights.keys() == merged.keys()
+    for key in weights:
+        assert weights[key].dtype == torch.bfloat16
+        torch.testing.assert_close(weights[key], merged[key].to(torch.bfloat16), rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").get_vocab() == AutoTokenizer.from_pretrained(
+        result.final_dir).get_vocab()
+
+    nowhere = run_cli("export", str(tmp_path / "nowhere"), str(tmp_path / "x"))
+    assert nowhere.returncode == 2 and "nowhere: no such directory" in nowhere.stderr
 
 
 def test_activation_checkpointing_and_accumulation_keep_the_loss(tmp_path, data_file):

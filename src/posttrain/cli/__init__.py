@@ -33,6 +33,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
     "serve": ("an OpenAI-compatible HTTP API on a checkpoint (continuous batching)", "posttrain.cli.serving:serve"),
     "chat": ("an interactive terminal chat with a checkpoint", "posttrain.cli.serving:chat"),
+    "export": ("a run's model as plain safetensors: LoRA merged, dtype cast", "posttrain.cli.export:main"),
 }
 
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--out", required=True, help="output JSONL")
             sub.add_argument("--per-task", type=int, default=2, help="pairs: at most this many per task")
             sub.add_argument("--source", default=None, help="metadata.source (default: the episodes file)")
+        elif name == "export":
+            from posttrain.cli.export import add_arguments
+
+            add_arguments(sub)
         elif name == "recipes":
             sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
         elif name in ("serve", "chat"):

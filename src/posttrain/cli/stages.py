@@ -60,7 +60,8 @@ def rm(args: argparse.Namespace) -> int:
     say(
         f"[rm] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s), "
         f"train loss {result.train_loss:.4f}" + _heldout_line(result.heldout_start, result.heldout, "accuracy", "loss")
-        + f"\n[rm] reward model: {result.final_dir} (load with posttrain.train.reward_model.load_reward_model)"
+        + f"\n[rm] reward model: {result.final_dir} (an AutoModelForSequenceClassification; score it with "
+          "posttrain.models.load_reward_model)"
     )
     return 0
 

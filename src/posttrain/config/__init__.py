@@ -17,7 +17,7 @@ from posttrain.config.dpo import (
     DPORecipe,
     PreferenceDataConfig,
     PreferenceTrainConfig,
-    RewardModelConfig,
+    RMLossConfig,
     RMRecipe,
 )
 from posttrain.config.eval import (
@@ -74,7 +74,7 @@ __all__ = [
     "RegressionSuite",
     "RLRecipe",
     "RMRecipe",
-    "RewardModelConfig",
+    "RMLossConfig",
     "RuntimeConfig",
     "SFTDataConfig",
     "SFTRecipe",

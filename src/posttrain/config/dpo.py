@@ -1,7 +1,7 @@
 """Preference recipes: DPO and its variants (`posttrain dpo`), and Bradley–Terry reward models (`posttrain rm`).
 
 Both read preference pairs (a prompt, a chosen and a rejected response; see `posttrain.data.preference`).
-The loss formulas and the reward model's saved format are in docs/dpo.md.
+The loss formulas are in docs/dpo.md; the reward model's saved format in `posttrain.models.reward`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ class DPORecipe(Section):
         return self
 
 
-class RewardModelConfig(Section):
+class RMLossConfig(Section):
+    """The reward model's loss (`rm:`). Not `RewardModelConfig`: that is RL's `reward_model:` section."""
+
     # Eisenstein et al. (2023)'s centring term, coef * (r_chosen + r_rejected)^2: keeps rewards near zero
     # mean, which the Bradley–Terry loss alone leaves free (it only sees differences).
     center_coef: float = Field(0.0, ge=0)
@@ -99,8 +101,17 @@ class RMRecipe(Section):
     output_dir: str = "runs/rm"
     model: ModelConfig = ModelConfig()
     data: PreferenceDataConfig = PreferenceDataConfig()
-    rm: RewardModelConfig = RewardModelConfig()
+    rm: RMLossConfig = RMLossConfig()
     optim: OptimConfig = OptimConfig(lr=1e-4)
     train: PreferenceTrainConfig = PreferenceTrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _saved_whole(self):
+        lora = self.model.lora
+        if lora.enabled and not lora.merge_on_save:
+            raise ValueError("model.lora.merge_on_save: false is not available for rm: a reward model is saved as "
+                             "a whole AutoModelForSequenceClassification (set it true; the checkpoints keep the "
+                             "adapter)")
+        return self

@@ -90,19 +90,20 @@ class ReturnConfig(Section):
 
 
 class RewardModelConfig(Section):
-    """A learned reward component: a reward model saved by `posttrain rm` scores every trained trajectory's token
-    ids (prompt + completion, exactly as sampled); `weight` x its score is added to the verifier's outcome."""
+    """A learned reward component: a reward model (any `AutoModelForSequenceClassification` with one label, e.g.
+    one `posttrain rm` trained) scores every trained trajectory's token ids (prompt + completion, exactly as
+    sampled); `weight` x its score is added to the verifier's outcome."""
 
-    path: str  # the `posttrain rm` run directory or its final/
+    path: str  # a `posttrain rm` run directory or its final/, or any one-label sequence-classification model dir
     weight: float = 1.0
-    normalize: bool = True  # (r - mean) / std with the statistics saved beside the head
+    normalize: bool = True  # (r - mean) / std with the model's reward_stats.json (none there: mean 0, std 1)
     batch_size: int = Field(32, gt=0)  # sequences per scoring forward
 
 
 class CriticConfig(Section):
     """The value model of `algorithm.advantage: gae`: a causal LM trunk with a scalar value head on every token."""
 
-    path: str | None = None  # unset: a copy of the policy (value head at 0); or a `posttrain rm` reward model
+    path: str | None = None  # unset: a copy of the policy (value head at 0); or a reward model (as reward_model.path)
     value_coef: float = Field(1.0, gt=0)  # weight of the value loss (the critic has its own optimizer)
     value_clip: float | None = Field(0.2, gt=0)  # |V - V_old| clipped to this in the value loss; null = off
     optim: OptimConfig = OptimConfig(lr=1e-4, schedule="constant", max_grad_norm=1.0)

@@ -1,4 +1,5 @@
-"""Models: load any local Hugging Face causal LM, build the tiny built-in one, LoRA, atomic checkpoints.
+"""Models: load any local Hugging Face causal LM, build the tiny built-in one, LoRA, atomic checkpoints, reward
+models (`AutoModelForSequenceClassification` with one label), export.
 
     from posttrain.models import load_tokenizer, load_model, build_tiny_model, save_checkpoint
 """
@@ -15,6 +16,8 @@ from posttrain.models.checkpoint import (
 )
 from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device, set_attention
 from posttrain.models.lora import apply_lora, is_lora, merged_copy, reference_mode
+from posttrain.models.parts import attention_kernel, disable_dropout, split_head
+from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
 
@@ -24,14 +27,19 @@ __all__ = [
     "ModelError",
     "PAD",
     "PRESETS",
+    "RewardModel",
+    "ScalarRewardModel",
+    "attention_kernel",
     "apply_lora",
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
     "count_parameters",
+    "disable_dropout",
     "is_lora",
     "latest_checkpoint",
     "load_model",
+    "load_reward_model",
     "load_tokenizer",
     "load_training_state",
     "load_weights_from_checkpoint",
@@ -41,8 +49,10 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
     "save_model_dir",
+    "save_reward_model",
     "segments_from_positions",
     "set_attention",
+    "split_head",
     "tiny_config",
     "train_tokenizer",
     "varlen_attention_forward",

@@ -6,7 +6,8 @@ Layout under a run's output directory:
                                adapter/                 (LoRA runs: the adapter, for an exact resume)
                                training_state.pt        (optimizer, LR schedule, RNG states, data cursor, step...)
     checkpoints/latest         the name of the newest complete checkpoint
-    final/                     the finished model (LoRA merged in), a plain HF directory
+    final/                     the finished model, a plain HF directory (LoRA merged in unless
+                               model.lora.merge_on_save: false, which leaves the adapter alone)
 
 Every directory is written under a temporary name and renamed into place, and `latest` is replaced
 atomically after the rename, so a crash mid-write (even SIGKILL) leaves the previous checkpoint intact.

@@ -5,7 +5,8 @@ the value of the state before policy token t+1 is read at position t, where the 
 are read too. Observation tokens of agentic episodes are context only: no value is read before them and they
 carry no value target (`rl.advantages` defines the chain GAE runs over). It starts as a copy of the policy with
 a value head at 0 (every value 0: the first advantages are the plain returns), or from a reward model saved by
-`posttrain rm` (`critic.path`: its trunk and head, the head then read at every token).
+`posttrain rm` or any `AutoModelForSequenceClassification` with one label (`critic.path`: its trunk and head, the
+head then read at every token).
 
 One batch: `values` (no gradient) before any update -> GAE -> the policy update and `update` here, which regresses
 the values on the GAE targets with the clipped value loss (`train.policy_loss.clipped_value_loss`) in the
@@ -13,7 +14,7 @@ same mini-batches and micro-batches as the policy (`train.updates_per_batch`, `t
 loss is the token mean over each mini-batch, times `critic.value_coef`.
 
 Checkpoints: the critic's weights go into ``critic/`` inside the policy's checkpoint directory (the reward-model
-format: an HF directory plus the head's safetensors, loadable by `load_reward_model`), its optimizer and LR
+format: an `AutoModelForSequenceClassification` directory, loadable by `load_reward_model`), its optimizer and LR
 schedule into the training state under ``"critic"``; the finished critic into ``<output_dir>/critic``. The
 critic trains in the process that runs the RL loop (under `posttrain.distributed`: the driver), unsharded.
 """
@@ -27,14 +28,19 @@ from typing import Any, Sequence
 import torch
 
 from posttrain.config.rl import RLRecipe
-from posttrain.models import ModelError, is_lora, merged_copy
+from posttrain.models import (
+    ModelError,
+    ScalarRewardModel,
+    disable_dropout,
+    is_lora,
+    merged_copy,
+    save_reward_model,
+)
 from posttrain.rl.guarding import set_lr_scale
 from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.step import collate_trajectories, mini_batches
-from posttrain.train.dpo import disable_dropout
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.policy_loss import clipped_value_loss
-from posttrain.train.reward_model import ScalarRewardModel, save_reward_model
 from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
 
@@ -114,7 +120,7 @@ class Critic:
 
     def save(self, directory: Path) -> Path:
         """The critic's weights as a reward-model directory (`load_reward_model` reads it)."""
-        return save_reward_model(Path(directory), self.model, self.tokenizer, merge_lora=False)
+        return save_reward_model(Path(directory), self.model, self.tokenizer)
 
     def save_into_checkpoint(self, checkpoint: Path) -> None:
         self.save(Path(checkpoint) / CRITIC_DIR)
@@ -140,11 +146,10 @@ def make_critic(recipe: RLRecipe, policy: torch.nn.Module, tokenizer, runtime: R
         model = load_scorer(recipe.critic.path, tokenizer, runtime.device, key="critic.path").model
     else:
         trunk = merged_copy(policy) if is_lora(policy) else copy.deepcopy(policy)
-        head = torch.nn.Linear(trunk.config.hidden_size, 1)
+        head = torch.nn.Linear(trunk.config.hidden_size, 1, bias=False)
         torch.nn.init.zeros_(head.weight)
-        torch.nn.init.zeros_(head.bias)
-        model = ScalarRewardModel(trunk, head).to(runtime.device)
-    disable_dropout(model.causal_lm)
+        model = ScalarRewardModel.from_causal_lm(trunk.to(runtime.device), head)
+    disable_dropout(model)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     return Critic(model.train(), tokenizer, runtime, recipe)

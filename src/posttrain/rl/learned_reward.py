@@ -1,4 +1,5 @@
-"""A learned reward component of the RL return: a reward model (`posttrain rm`) beside the verifiers.
+"""A learned reward component of the RL return: a reward model (`posttrain rm`, or any one-label
+`AutoModelForSequenceClassification`) beside the verifiers.
 
     return = outcome (the verifier's score) + weight * r_RM(token ids) + the other parts of `rl.returns`
 
@@ -22,7 +23,7 @@ import torch
 
 from posttrain.config import ConfigError
 from posttrain.config.rl import RewardModelConfig
-from posttrain.train.reward_model import RewardModel, load_reward_model
+from posttrain.models import RewardModel, load_reward_model
 from posttrain.types import Trajectory
 
 LEARNED_REWARD_KEY = "learned_reward"  # in Trajectory.metadata and the episode record: the (normalised) score

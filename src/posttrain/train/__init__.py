@@ -1,26 +1,41 @@
-"""Training building blocks every recipe calls, the losses, and the SFT recipe.
+"""Training building blocks every recipe calls, the losses, and the SFT, DPO and reward-model recipes.
 
-No Trainer base class: `run_sft` (and later `run_dpo`, the RL step) read top to bottom and call these
-pieces: `setup_runtime`, `prepare_model`, `build_optimizer`, `build_scheduler`, `optimizer_step`,
-the losses, and the checkpoint functions of `posttrain.models`.
+No Trainer base class: `run_sft`, `run_dpo`, `run_rm` (and the RL recipe in `posttrain.rl`) read top to bottom
+and call these pieces: `setup_runtime`, `prepare_model`, `build_optimizer`, `build_scheduler`, `optimizer_step`,
+the loop skeleton (`train_loop`, `Cursor`, `StepFigures`), checkpoint save and exact resume (`save_training`,
+`find_checkpoint`, `restore_training`), the data-parallel seam (`DataParallel`, `LocalParallel`) and the losses.
+Recipe modules are leaves: what two recipes share lives here (`train.pairs` for DPO and the reward model) or in
+`posttrain.models`, never in a recipe.
 """
 
+from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.forward import selected_logits, split_head, target_logprobs
+from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, lr_factor
+from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
 
 __all__ = [
+    "LOCAL",
+    "Cursor",
+    "DataParallel",
+    "LocalParallel",
     "Runtime",
+    "StepFigures",
     "build_optimizer",
     "build_scheduler",
+    "find_checkpoint",
     "lr_factor",
     "optimizer_step",
     "prepare_model",
+    "restore_training",
+    "save_training",
     "seed_everything",
     "selected_logits",
     "setup_runtime",
     "sft_loss_sum",
     "split_head",
     "target_logprobs",
+    "train_loop",
 ]

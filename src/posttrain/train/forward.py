@@ -12,17 +12,7 @@ from typing import Any
 
 import torch
 
-
-def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """(decoder, head) of a Hugging Face causal LM (PEFT-wrapped or not), or None if it does not split."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    try:
-        decoder, head = base.get_decoder(), base.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    if decoder is None or head is None or decoder is base:
-        return None
-    return decoder, head
+from posttrain.models import split_head
 
 
 def selected_logits(

@@ -1,0 +1,69 @@
+"""`posttrain export`: a LoRA adapter merged into its base, dtype cast, a reward model exported whole."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.cli import main as cli_main
+from posttrain.config import LoraConfig
+from posttrain.models import (
+    ModelError,
+    ScalarRewardModel,
+    apply_lora,
+    build_tiny_model,
+    load_reward_model,
+    merged_copy,
+    save_model_dir,
+    save_reward_model,
+)
+from posttrain.models.export import export_model
+from posttrain.models.reward import STATS_FILE
+
+
+def test_an_adapter_is_merged_into_its_local_base(tmp_path, tiny_tokenizer):
+    base = build_tiny_model("tiny-1m", tiny_tokenizer, seed=1)
+    base_dir = save_model_dir(tmp_path / "base", base, tiny_tokenizer)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(enabled=True, r=4))
+    with torch.no_grad():  # a trained adapter: it changes the model
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    model.peft_config["default"].base_model_name_or_path = str(base_dir)
+    model.save_pretrained(tmp_path / "adapter")
+    tiny_tokenizer.save_pretrained(tmp_path / "adapter")
+
+    assert cli_main(["export", str(tmp_path / "adapter"), str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    expected = merged_copy(model).state_dict()
+    assert set(exported) <= set(expected)
+    for key, tensor in exported.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=0, atol=1e-6)
+    assert any(not torch.equal(exported[k], base.state_dict()[k]) for k in exported)
+
+
+def test_a_reward_model_exports_whole_with_its_statistics(tmp_path, tiny_tokenizer):
+    model = ScalarRewardModel.from_causal_lm(build_tiny_model("tiny-1m", tiny_tokenizer, seed=2))
+    source = save_reward_model(tmp_path / "rm", model, tiny_tokenizer, mean=0.25, std=2.0)
+    export_model(source, tmp_path / "half", dtype="bfloat16")
+    assert (tmp_path / "half" / STATS_FILE).read_text() == (source / STATS_FILE).read_text()
+    weights = load_file(str(tmp_path / "half" / "model.safetensors"))
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16} and "score.weight" in weights
+    ids = [[3, 30, 31, 1, 40, 1]]
+    full, half = load_reward_model(source).score_ids(ids)[0], load_reward_model(tmp_path / "half").score_ids(ids)[0]
+    assert half == pytest.approx(full, abs=0.05)  # bf16 weights, same function
+
+
+def test_bad_sources_are_clear_errors(tmp_path, tiny_tokenizer):
+    with pytest.raises(ModelError, match="no such directory"):
+        export_model(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="not a model directory"):
+        export_model(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(ModelError, match="would replace what is exported"):
+        export_model(tmp_path / "empty", tmp_path)
+    with pytest.raises(ModelError, match="--dtype"):
+        export_model(tmp_path / "empty", tmp_path / "out", dtype="int8")
