@@ -27,7 +27,7 @@ from posttrain.data.packing import Row
 from posttrain.models import set_attention
 from posttrain.models.load import VARLEN, attention_choice
 from posttrain.rollout import HFEngine, RolloutError
-from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.forward import ForwardParityError, check_forward_parity, selected_logits, target_logprobs
 from posttrain.types import GenerationRequest, SamplingParams
 
 VOCAB = 384  # the session tokenizer's size (conftest.tiny_tokenizer)
@@ -242,3 +242,72 @@ def test_gpu_attention_choice_respects_what_the_model_supports(family):
     choice, _ = attention_choice(model, "auto", torch.device("cuda"))
     assert choice == ("sdpa" if model._supports_sdpa else "eager")
     assert attention_choice(model, "auto", torch.device("cpu"))[0] == VARLEN
+
+
+# ---- the start-up parity check and the RL self-test, at the precision in use ------------------------------
+
+
+def _without_soft_cap(monkeypatch):
+    """The trainer as it was before it applied the final-logit soft-cap."""
+    monkeypatch.setattr("posttrain.train.forward.final_logit_softcap", lambda model: None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_startup_parity_check_passes_on_every_family(family):
+    model = build(family)
+    set_attention(model, VARLEN, torch.device("cpu"))
+    for autocast in (None, torch.bfloat16):
+        for layout in ("packed", "padded"):
+            stats = check_forward_parity(model, SAMPLES, autocast, layout=layout)
+            assert stats["parity_gap_max"] <= stats["parity_tolerance"]
+    assert model.config._attn_implementation == VARLEN  # restored after the eager reference
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_the_startup_parity_check_fails_a_missing_soft_cap_and_a_dropped_window(autocast, monkeypatch):
+    from transformers import AttentionInterface
+
+    from posttrain.models import varlen_attention_forward
+
+    gemma = build("gemma2")
+    set_attention(gemma, VARLEN, torch.device("cpu"))
+    _without_soft_cap(monkeypatch)
+    with pytest.raises(ForwardParityError, match="differ in log-probs"):
+        check_forward_parity(gemma, SAMPLES, autocast, layout="packed")
+    monkeypatch.undo()
+
+    def windowless(*args, sliding_window=None, **kwargs):  # the kernel as it was before it knew windows
+        return varlen_attention_forward(*args, **kwargs)
+
+    mistral = build("mistral")
+    AttentionInterface.register("windowless", windowless)
+    mistral.set_attn_implementation("windowless")
+    with pytest.raises(ForwardParityError, match="differ in log-probs"):
+        check_forward_parity(mistral, [SAMPLES[2], SAMPLES[0]], autocast, layout="padded")
+
+
+def test_the_parity_check_reads_packed_rows_sample_by_sample():
+    model = build("mistral")
+    set_attention(model, VARLEN, torch.device("cpu"))
+    row = Row(SAMPLES[0] + SAMPLES[2] + [0, 0], [1] * 26, list(range(11)) + list(range(13)) + [0, 0],
+              [0] * 11 + [1] * 13 + [-1, -1])
+    assert check_forward_parity(model, [row], None, layout="packed")["parity_gap_max"] < FP32_TOLERANCE
+
+
+def test_the_bf16_self_test_fails_a_missing_soft_cap(tiny_tokenizer, monkeypatch):
+    from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
+    from posttrain.tasks import get_domain, sample_tasks
+    from posttrain.train.step import Runtime
+
+    model = build("gemma2")
+    set_attention(model, VARLEN, torch.device("cpu"))
+    engine = HFEngine(copy.deepcopy(model), tiny_tokenizer, autocast="bfloat16")
+    domain = get_domain("arithmetic", operators="+-")
+    tasks = sample_tasks(domain, 4, level=[1], seed=0)
+    runtime = Runtime(device=torch.device("cpu"), autocast_dtype=torch.bfloat16)
+    stats = engine_trainer_self_test(engine, model, tiny_tokenizer, tasks, runtime, temperature=1.0,
+                                     max_new_tokens=12)
+    assert stats["gap_abs_max"] < 0.05
+    _without_soft_cap(monkeypatch)
+    with pytest.raises(SelfTestError, match="not running the trainer's policy"):
+        engine_trainer_self_test(engine, model, tiny_tokenizer, tasks, runtime, temperature=1.0, max_new_tokens=12)

@@ -14,9 +14,14 @@ forward with the model's at the start of a run.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Sequence
 
 import torch
+
+from posttrain.data import collate, model_inputs
+from posttrain.data.packing import Row
+from posttrain.types import PosttrainError
 
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -86,3 +91,142 @@ def target_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tolerance by precision, and the start-up parity check
+# ----------------------------------------------------------------------------------------------------
+
+FP32_LOGPROB_TOLERANCE = 1e-3
+# Two bf16 forwards of the same model (trainer vs engine, ours vs the model's) differed in log-probs by at
+# most ~2.1 bf16 epsilons (2^-8) times the largest |logit| on nine tiny families (tests/test_conformance.py,
+# measured on a CPU): rounding a logit moves it by up to eps * |logit|. Four epsilons per unit of logit is
+# about twice that; a function that differs (a missing soft-cap, a window dropped) moves log-probs by
+# far more on any model whose logits are large enough for the difference to matter.
+BF16_NOISE_PER_LOGIT = 4 * 2.0**-8
+
+
+def logprob_tolerance(autocast: torch.dtype | None, max_abs_logit: float) -> float:
+    """How far two log-probs of the same function may differ at this precision: 1e-3 in fp32 (they agree to
+    ~1e-5); in bf16, `BF16_NOISE_PER_LOGIT` times the largest |logit| (at least 1)."""
+    if autocast is None or autocast == torch.float32:
+        return FP32_LOGPROB_TOLERANCE
+    return max(FP32_LOGPROB_TOLERANCE, BF16_NOISE_PER_LOGIT * max(1.0, max_abs_logit))
+
+
+class ForwardParityError(PosttrainError):
+    """posttrain's training forward and the model's own forward compute different functions."""
+
+
+Layout = str  # "packed" (SFT rows, samples side by side) or "padded" (DPO/RM right-padded rows, no mask)
+
+
+@torch.no_grad()
+def check_forward_parity(
+    model: torch.nn.Module,
+    samples: Sequence[Any],
+    autocast: torch.dtype | None,
+    *,
+    layout: Layout,
+    what: str = "training",
+    max_samples: int = 8,
+) -> dict[str, float]:
+    """Compare the training forward on one batch with the model's own (transformers, eager attention, each
+    sample alone, unpadded); raise `ForwardParityError` past `logprob_tolerance`. Returns the gap stats.
+
+    `samples`: token-id lists, or packed rows with ``input_ids`` and ``document_ids`` (`posttrain.data.Row`,
+    split into their samples), of which the first `max_samples` are used. `layout` is how the recipe
+    feeds them: "packed" (one row, `cu_seq_lens` boundaries, as SFT collates) or "padded" (right-padded
+    rows without a mask, as DPO and the reward model collate). Cheap: one forward per sample and one batch.
+    """
+    sequences = [s for s in _split_samples(samples) if len(s) > 1][:max_samples]
+    if not sequences:
+        return {}
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        ours = _layout_logprobs(model, sequences, layout, device, autocast)
+        reference, top = _reference_logprobs(model, sequences, device, autocast)
+    finally:
+        model.train(was_training)
+    gap = (ours - reference).abs()
+    stats = {"parity_gap_max": float(gap.max()), "parity_gap_mean": float(gap.mean()),
+             "parity_tolerance": logprob_tolerance(autocast, top)}
+    if stats["parity_gap_max"] > stats["parity_tolerance"]:
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+        raise ForwardParityError(
+            f"{what} forward parity: posttrain's forward ({layout} rows, attention {implementation!r}) and the "
+            f"model's own forward differ in log-probs by up to {stats['parity_gap_max']:.4g} (tolerance "
+            f"{stats['parity_tolerance']:.3g}): training would optimise a different function. Set "
+            "model.attn_implementation to 'eager', and report the model type"
+        )
+    return stats
+
+
+def _split_samples(samples: Sequence[Any]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for sample in samples:
+        ids = list(getattr(sample, "input_ids", sample))
+        documents = getattr(sample, "document_ids", None)
+        if documents is None:
+            out.append(ids)
+            continue
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or documents[end] != documents[start]:
+                if documents[start] >= 0:
+                    out.append(ids[start:end])
+                start = end
+    return out
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def _layout_logprobs(model, sequences, layout, device, autocast) -> torch.Tensor:
+    if layout == "packed":
+        row = Row([], [], [], [])
+        for index, sequence in enumerate(sequences):
+            row.input_ids += sequence
+            row.loss_mask += [1] * len(sequence)
+            row.position_ids += list(range(len(sequence)))
+            row.document_ids += [index] * len(sequence)
+        inputs = model_inputs(collate([row], pad_id=0, device=device))
+        labels = inputs.pop("labels")
+        select = labels[:, 1:] != -100
+        with _autocast(device, autocast):
+            logits = selected_logits(model, inputs.pop("input_ids"), select, **inputs)
+        return target_logprobs(logits, labels[:, 1:][select])
+    if layout != "padded":
+        raise ValueError(f"check_forward_parity: layout {layout!r}; use 'packed' or 'padded'")
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    select = torch.zeros(len(sequences), width - 1, dtype=torch.bool, device=device)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
+        select[row, : len(sequence) - 1] = True
+    with _autocast(device, autocast):
+        logits = selected_logits(model, ids, select)
+    return target_logprobs(logits, ids[:, 1:][select])
+
+
+def _reference_logprobs(model, sequences, device, autocast) -> tuple[torch.Tensor, float]:
+    """The model's own forward (its own head and logit processing), eager attention, one sample at a time;
+    and the largest |logit| seen (what bf16 noise scales with)."""
+    config = model.config
+    before = config._attn_implementation
+    stance = getattr(torch.compiler, "set_stance", None)  # a compiled decoder runs eagerly here, uncompiled
+    try:
+        config._attn_implementation = "eager"
+        with (stance("force_eager") if stance is not None else contextlib.nullcontext()), _autocast(device, autocast):
+            out, top = [], 0.0
+            for sequence in sequences:
+                ids = torch.tensor([sequence], device=device)
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                top = max(top, float(logits.abs().max()))
+                out.append(target_logprobs(logits, ids[0, 1:]))
+    finally:
+        config._attn_implementation = before
+    return torch.cat(out), top
