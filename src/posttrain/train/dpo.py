@@ -58,7 +58,7 @@ from posttrain.models import (
     save_model_dir,
 )
 from posttrain.tracking import Tracker, say
-from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.forward import check_forward_parity, selected_logits, target_logprobs
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.preference_losses import preference_loss
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
@@ -97,6 +97,7 @@ def run_dpo(
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
     disable_dropout(model)
+    check_forward_parity(model, pairs.train, runtime.autocast_dtype, layout="padded", what="dpo")
 
     # Reference log-probs, before any checkpoint weights are loaded: the model is still the initial policy.
     started = time.perf_counter()

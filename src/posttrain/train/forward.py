@@ -15,6 +15,7 @@ forward with the model's at the start of a run.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from posttrain.data import collate, model_inputs
 from posttrain.data.packing import Row
 from posttrain.types import PosttrainError
+
+log = logging.getLogger(__name__)
 
 
 def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -134,12 +137,13 @@ def check_forward_parity(
     """Compare the training forward on one batch with the model's own (transformers, eager attention, each
     sample alone, unpadded); raise `ForwardParityError` past `logprob_tolerance`. Returns the gap stats.
 
-    `samples`: token-id lists, or packed rows with ``input_ids`` and ``document_ids`` (`posttrain.data.Row`,
-    split into their samples), of which the first `max_samples` are used. `layout` is how the recipe
+    `samples`: token-id lists, packed rows with ``input_ids`` and ``document_ids`` (`posttrain.data.Row`,
+    split into their samples) or tokenized preference pairs (both sequences); the first `max_samples`
+    sequences are used. `layout` is how the recipe
     feeds them: "packed" (one row, `cu_seq_lens` boundaries, as SFT collates) or "padded" (right-padded
     rows without a mask, as DPO and the reward model collate). Cheap: one forward per sample and one batch.
     """
-    sequences = [s for s in _split_samples(samples) if len(s) > 1][:max_samples]
+    sequences = _split_samples(samples, max_samples)
     if not sequences:
         return {}
     device = next(model.parameters()).device
@@ -161,12 +165,20 @@ def check_forward_parity(
             f"{stats['parity_tolerance']:.3g}): training would optimise a different function. Set "
             "model.attn_implementation to 'eager', and report the model type"
         )
+    log.info("%s forward parity: max log-prob gap %.3g (tolerance %.3g)", what, stats["parity_gap_max"],
+             stats["parity_tolerance"])
     return stats
 
 
-def _split_samples(samples: Sequence[Any]) -> list[list[int]]:
+def _split_samples(samples: Sequence[Any], limit: int) -> list[list[int]]:
+    """Up to `limit` token sequences (of 2 tokens or more: one has nothing to predict) from `samples`."""
     out: list[list[int]] = []
     for sample in samples:
+        if len(out) >= limit:
+            break
+        if hasattr(sample, "chosen_ids"):  # a tokenized preference pair: both of its sequences
+            out += [list(sample.chosen_ids), list(sample.rejected_ids)]
+            continue
         ids = list(getattr(sample, "input_ids", sample))
         documents = getattr(sample, "document_ids", None)
         if documents is None:
@@ -178,7 +190,7 @@ def _split_samples(samples: Sequence[Any]) -> list[list[int]]:
                 if documents[start] >= 0:
                     out.append(ids[start:end])
                 start = end
-    return out
+    return [sequence for sequence in out if len(sequence) > 1][:limit]
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -217,10 +229,12 @@ def _reference_logprobs(model, sequences, device, autocast) -> tuple[torch.Tenso
     and the largest |logit| seen (what bf16 noise scales with)."""
     config = model.config
     before = config._attn_implementation
-    stance = getattr(torch.compiler, "set_stance", None)  # a compiled decoder runs eagerly here, uncompiled
+    compiled = any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
+    # A compiled decoder runs uncompiled here: eager attention would otherwise cost a recompilation.
+    uncompiled = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
     try:
         config._attn_implementation = "eager"
-        with (stance("force_eager") if stance is not None else contextlib.nullcontext()), _autocast(device, autocast):
+        with uncompiled, _autocast(device, autocast):
             out, top = [], 0.0
             for sequence in sequences:
                 ids = torch.tensor([sequence], device=device)

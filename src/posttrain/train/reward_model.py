@@ -49,7 +49,7 @@ from posttrain.train.dpo import (
     sum_stats,
     train_on_pairs,
 )
-from posttrain.train.forward import split_head
+from posttrain.train.forward import check_forward_parity, split_head
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.preference_losses import bradley_terry_loss
 from posttrain.train.step import Runtime, prepare_model
@@ -118,6 +118,7 @@ def run_rm(
     output_dir, runtime, tokenizer, pairs = start_run(recipe)
     causal_lm = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     disable_dropout(causal_lm)
+    check_forward_parity(causal_lm, pairs.train, runtime.autocast_dtype, layout="padded", what="rm")
     model = ScalarRewardModel(causal_lm).to(runtime.device)
 
     micro = recipe.train.micro_batch_size or recipe.train.batch_size

@@ -37,6 +37,7 @@ from posttrain.models import (
     save_model_dir,
 )
 from posttrain.tracking import Tracker, say
+from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
@@ -127,6 +128,7 @@ def run_sft(
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=rejects_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
+    check_forward_parity(model, data.epoch_rows(0), runtime.autocast_dtype, layout="packed", what="sft")
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
