@@ -320,3 +320,26 @@ def test_the_bf16_self_test_fails_a_missing_soft_cap(tiny_tokenizer, monkeypatch
     _without_soft_cap(monkeypatch)
     with pytest.raises(SelfTestError, match="not running the trainer's policy"):
         engine_trainer_self_test(engine, model, tiny_tokenizer, tasks, runtime, temperature=1.0, max_new_tokens=12)
+
+
+# ---- LoRA adapts every linear layer family-wide ------------------------------------------------------------
+
+# family -> (adapted layers per decoder layer, a name only that family uses): counted from the architectures.
+LORA_LAYERS = {"llama": (7, "gate_proj"), "qwen2": (7, "q_proj"), "qwen3": (7, "k_proj"),
+               "mistral": (7, "v_proj"), "gemma2": (7, "up_proj"), "gemma3": (7, "o_proj"),
+               "phi3": (4, "gate_up_proj"), "olmo2": (7, "down_proj"), "gpt_neox": (4, "query_key_value")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_defaults_adapt_every_linear_layer(family):
+    from posttrain.config import LoraConfig
+    from posttrain.models import ModelError, apply_lora, count_adapted
+
+    per_layer, name = LORA_LAYERS[family]
+    model = apply_lora(build(family), LoraConfig(enabled=True, r=2))
+    assert count_adapted(model) == per_layer * _SHAPE["num_hidden_layers"]
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert name in adapted
+    assert not any(head in adapted for head in ("lm_head", "embed_out"))
+    with pytest.raises(ModelError, match=rf"its linear layers: .*'{name}'"):
+        apply_lora(build(family), LoraConfig(enabled=True, target_modules=["no_such_layer"]))

@@ -14,7 +14,7 @@ from posttrain.models.checkpoint import (
     save_model_dir,
 )
 from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device, set_attention
-from posttrain.models.lora import apply_lora, is_lora, merged_copy, reference_mode
+from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
 
@@ -28,9 +28,11 @@ __all__ = [
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
+    "count_adapted",
     "count_parameters",
     "is_lora",
     "latest_checkpoint",
+    "linear_layer_names",
     "load_model",
     "load_tokenizer",
     "load_training_state",
