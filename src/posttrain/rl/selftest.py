@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data import prompt_ids
 from posttrain.train.forward import logprob_tolerance, selected_logits, target_logprobs
 from posttrain.train.policy_loss import logprob_gap_stats
 from posttrain.train.step import Runtime
@@ -40,9 +41,7 @@ def engine_trainer_self_test(
     seed: int = 0,
 ) -> dict[str, float]:
     """Sample `tasks` with the engine, re-score with the trainer; raise `SelfTestError` past `tolerance`."""
-    prompts = [tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False) for task in tasks]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = prompt_ids(tokenizer, [task.messages for task in tasks])
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     completions = engine.generate([GenerationRequest(p) for p in prompts], sampling)
     trainer, behaviour, top = [], [], 0.0
