@@ -34,8 +34,8 @@ VOCAB = 384  # the session tokenizer's size (conftest.tiny_tokenizer)
 WINDOW = 5  # sliding windows shorter than every test sequence
 FP32_TOLERANCE = 1e-5
 # Measured here (2 CPU cores): bf16 training forward vs the bf16 transformers forward differed by at most 0.016
-# (sdpa, OLMo 2; varlen equals eager bit for bit but for Gemma's fp32 soft-cap: 0.005). 0.05 leaves room and fails a missing
-# soft-cap (test_a_missing_soft_cap_is_far_outside_the_bf16_tolerance).
+# (sdpa, OLMo 2; varlen equals eager bit for bit but for Gemma's fp32 soft-cap: 0.005). 0.05 leaves room and
+# fails a missing soft-cap (test_a_missing_soft_cap_is_far_outside_the_bf16_tolerance).
 BF16_TOLERANCE = 0.05
 
 _SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

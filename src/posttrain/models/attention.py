@@ -24,8 +24,9 @@ window; the matmul path with a soft-cap, which sdpa cannot apply).
 
 It plugs into transformers (>= 5) as an attention implementation for causal decoders (Llama and the like,
 sliding-window and soft-capped layers included). Given a 4D mask, or a KV cache longer than the query
-(generation), it is ordinary attention over that mask, so one model trains packed and generates. `varlen_mask` wraps transformers' mask builder so
-that no 4D mask is built when the caller gave no padding mask (a packed training batch):
+(generation), it is ordinary attention over that mask, so one model trains packed and generates.
+`varlen_mask` wraps transformers' mask builder so that no 4D mask is built when the caller gave no padding
+mask (a packed training batch):
 
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
