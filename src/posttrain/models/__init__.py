@@ -13,7 +13,15 @@ from posttrain.models.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device, set_attention
+from posttrain.models.load import (
+    ModelError,
+    attention_choice,
+    autocast_dtype,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    set_attention,
+)
 from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
@@ -25,6 +33,7 @@ __all__ = [
     "PAD",
     "PRESETS",
     "apply_lora",
+    "attention_choice",
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",

@@ -8,15 +8,15 @@ upcast to fp32 before any softmax: bf16 logits lose the small differences that l
 Whatever the model's own forward does after its head is done here too: the final-logit soft-cap
 (Gemma 2/3: ``logits = cap * tanh(logits / cap)``, in fp32 here). A model that rescales its logits in a way
 this module does not know (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is not split: it runs its
-own whole forward, slower but the same function. `check_forward_parity` (`train.parity`) compares this
-forward with the model's at the start of a run.
+own whole forward, slower but the same function. `check_forward_parity` compares this
+forward with the model's at the start of a run (below).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -121,7 +121,7 @@ class ForwardParityError(PosttrainError):
     """posttrain's training forward and the model's own forward compute different functions."""
 
 
-Layout = str  # "packed" (SFT rows, samples side by side) or "padded" (DPO/RM right-padded rows, no mask)
+Layout = Literal["packed", "padded"]  # "packed" (SFT rows, samples side by side) or "padded" (DPO/RM right-padded rows, no mask)
 
 
 @torch.no_grad()
