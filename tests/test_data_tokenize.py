@@ -1,4 +1,5 @@
-"""Tokenization through chat templates with loss on assistant tokens only, for any prefix-stable template."""
+"""Tokenization through chat templates with loss on assistant tokens only (templates that rewrite earlier
+turns: tests/test_chat_templates.py)."""
 
 import copy
 import time
@@ -19,11 +20,10 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# Puts the end-of-sequence marker only after the whole conversation: earlier replies render differently
-# alone than inside the conversation, so their spans cannot be trusted.
-EOS_AT_END = (
+# Its generation prompt is not how it renders a reply's start: no reply can be located after the prompt.
+PROMPT_CHANGES = (
     "{% for message in messages %}[{{ message['role'] }}]{{ message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}[assistant]{% else %}[eos]{% endif %}"
+    "{% if add_generation_prompt %}[bot]{% endif %}"
 )
 
 
@@ -97,8 +97,8 @@ def test_any_prefix_stable_template_works(tokenizer):
     assert trained_text(chatml, tokenized) == "46<|im_end|>\n2<|im_end|>\n"
 
 
-def test_a_template_that_is_not_prefix_stable_is_refused(tokenizer):
-    unstable = with_template(tokenizer, EOS_AT_END)
+def test_a_template_whose_prompt_changes_with_the_reply_is_refused(tokenizer):
+    unstable = with_template(tokenizer, PROMPT_CHANGES)
     with pytest.raises(DataError, match="sample 0 .*not prefix-stable"):
         tokenize_samples([SFTSample(two_turns("a", "b", "c", "d"))], unstable, max_length=64)
 

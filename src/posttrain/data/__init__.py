@@ -37,6 +37,8 @@ from posttrain.data.tokenize import (
     TokenizeResult,
     assistant_spans,
     conversation_for_training,
+    prompt_ids,
+    render_chat,
     tokenize_sample,
     tokenize_samples,
 )
@@ -59,6 +61,8 @@ __all__ = [
     "TokenizeResult",
     "TokenizedSample",
     "assistant_spans",
+    "prompt_ids",
+    "render_chat",
     "block_causal_mask",
     "build_epoch",
     "collate",

@@ -36,7 +36,9 @@ from posttrain.data import (
     RejectLog,
     SampleMetadata,
     SFTSample,
+    TokenizedSample,
     prompt_fraction,
+    prompt_ids,
     read_records,
     tokenize_samples,
 )
@@ -232,14 +234,19 @@ def tokenize_pairs(
     conversations = [SFTSample(pair.prompt + response, pair.metadata)
                      for pair in pairs for response in (pair.chosen, pair.rejected)]
     # No truncation here (it is decided per pair below) and no reasoning trace (a pair's responses hold theirs).
-    tokenized = tokenize_samples(conversations, tokenizer, max_length=sys.maxsize, reasoning="drop",
-                                 keep_empty=True).samples
-    prompts = tokenizer([tokenizer.apply_chat_template(pair.prompt, tokenize=False, add_generation_prompt=True)
-                         for pair in pairs], add_special_tokens=False)["input_ids"]
+    # Only the response is located: a template may rewrite the prompt's earlier turns (Qwen3 drops their
+    # thinking) as long as it renders the same prompt before either response.
+    result = tokenize_samples(conversations, tokenizer, max_length=sys.maxsize, reasoning="drop",
+                              keep_empty=True, trained_from=[len(pair.prompt) for pair in pairs for _ in "cr"])
+    tokenized: list[list[TokenizedSample]] = [[] for _ in conversations]
+    for source, sample in zip(result.sources, result.samples):
+        tokenized[source].append(sample)
+    prompts = prompt_ids(tokenizer, [pair.prompt for pair in pairs])
     kept, tokens, truncated = [], [], 0
-    for index, (pair, prompt_ids) in enumerate(zip(pairs, prompts)):
+    for index, (pair, prompt) in enumerate(zip(pairs, prompts)):
         try:
-            pair_tokens = _pair_tokens(prompt_ids, tokenized[2 * index], tokenized[2 * index + 1], max_length)
+            pair_tokens = _pair_tokens(prompt, _one(tokenized[2 * index], "chosen"),
+                                       _one(tokenized[2 * index + 1], "rejected"), max_length)
         except RecordError as error:
             if on_invalid != "skip":
                 raise DataError(f"{pair.origin or f'pair {index}'}: {error}") from None
@@ -253,6 +260,13 @@ def tokenize_pairs(
 def tokenize_pair(pair: PreferencePair, tokenizer, max_length: int) -> TokenizedPair:
     """One pair (see `tokenize_pairs`); raises `DataError` when it does not fit."""
     return tokenize_pairs([pair], tokenizer, max_length)[1][0]
+
+
+def _one(sequences: list[TokenizedSample], key: str) -> TokenizedSample:
+    if len(sequences) != 1:
+        raise RecordError(key, "the chat template renders this response's turns as separate sequences (it "
+                          "rewrites earlier ones); give a single-turn response, or a template that does not")
+    return sequences[0]
 
 
 def _pair_tokens(prompt_ids: list[int], chosen, rejected, max_length: int) -> TokenizedPair:

@@ -1,20 +1,29 @@
 """Tokenization through the tokenizer's own chat template, with loss only on assistant tokens.
 
-Works for any Hugging Face chat template, not only the built-in one, by rendering text and never assuming a
-format. For each assistant message i the template renders
+This module is the one place chats are rendered for training and scoring (`render_chat`, `prompt_ids`): SFT,
+DPO, the RL self-test and the forgetting guard's replay go through it. It works for any Hugging Face chat
+template by rendering text and never assuming a format. Each assistant message i is located in the
+rendering of the conversation up to and including it:
 
     before_i = render(messages[:i], add_generation_prompt=True)    # ends where the reply starts
-    after_i  = render(messages[:i + 1])                             # ends after the reply's end-of-turn
+    upto_i   = render(messages[:i + 1])                             # ends after the reply's end-of-turn
 
-and the reply's character span is ``[len(before_i), len(after_i))``: it includes whatever the template writes
-after the content (the end-of-turn / eos token), so the model learns to stop. The whole conversation is then
-tokenized once with offsets (no special tokens added: the template has them) and a token carries loss when
-it starts inside a span. Tool results, system and user text never carry loss; assistant turns with tool
-calls do.
+and the reply's character span in ``upto_i`` is ``[len(before_i), len(upto_i))``: it includes whatever the
+template writes after the content (the end-of-turn / eos token), so the model learns to stop — exactly the
+text a model prompted with ``before_i`` is trained to produce. Tool results, system and user text never
+carry loss; assistant turns with tool calls do.
 
-This needs a *prefix-stable* template: before_i a prefix of after_i, and after_i a prefix of the whole
-rendering. Templates that rewrite earlier turns (e.g. dropping old reasoning) are not, and are refused with
-a `DataError` rather than trained with misplaced masks.
+One conversation is one training sequence when the template is *prefix-stable* (every ``upto_i`` a prefix of
+the whole rendering): the spans are marked in the whole rendering, tokenized once with offsets (no special
+tokens added: the template has them); a token carries loss when it starts inside a span. Templates that
+render a turn differently once later turns follow do not give one sequence holding every turn as the model
+produced it: Qwen3 strips the thinking of turns before the last user message, Phi-3 writes eos only when no
+generation prompt follows. Then the conversation becomes several sequences: going back from the last turn,
+a turn whose ``upto_i`` is a prefix of the current sequence is marked in it, and any other starts a new
+sequence, ``upto_i`` itself. Every assistant token is trained exactly once, as the template renders it when
+it is the latest turn. Only a template whose ``before_i`` is not a prefix of ``upto_i`` (the reply changes
+the prompt before it) is refused, with a `DataError`. `trained_from` restricts all of this to the turns at
+and after an index: a preference pair locates only its response, whatever the template does to the prompt.
 
 ``reasoning="include"`` writes ``metadata.reasoning_trace`` into the last assistant turn as
 ``<think>{trace}</think>`` before its content; ``"drop"`` leaves it out. Tools listed in
@@ -54,6 +63,7 @@ class TokenizeResult:
     samples: list[TokenizedSample]
     truncated: int  # cut to max_length (and kept, since loss tokens were left)
     dropped: int  # no loss token left after truncation
+    sources: list[int] = field(default_factory=list)  # the input sample of each output sequence
 
     def report(self) -> dict[str, int]:
         return {
@@ -67,8 +77,13 @@ class TokenizeResult:
 def tokenize_sample(
     sample: SFTSample, tokenizer: Any, max_length: int, reasoning: Reasoning = "include"
 ) -> TokenizedSample:
-    """One sample; may return a sample with no loss token (`tokenize_samples` drops and counts those)."""
-    return tokenize_samples([sample], tokenizer, max_length, reasoning, keep_empty=True).samples[0]
+    """One sample as one sequence; may have no loss token (`tokenize_samples` drops and counts those). A
+    conversation the template splits into several sequences is a `DataError` here: use `tokenize_samples`."""
+    result = tokenize_samples([sample], tokenizer, max_length, reasoning, keep_empty=True)
+    if len(result.samples) != 1:
+        raise DataError(f"the chat template renders this conversation as {len(result.samples)} training "
+                        "sequences (it rewrites earlier turns); tokenize it with tokenize_samples")
+    return result.samples[0]
 
 
 def tokenize_samples(
@@ -78,19 +93,27 @@ def tokenize_samples(
     reasoning: Reasoning = "include",
     *,
     keep_empty: bool = False,
+    trained_from: Sequence[int] | None = None,
 ) -> TokenizeResult:
     """Tokenize many samples: render each (two template calls per assistant turn at most), then one batched,
-    parallel tokenizer call with offsets. Samples longer than `max_length` are cut and counted; those left
-    with no loss token are dropped and counted (unless `keep_empty`)."""
+    parallel tokenizer call with offsets. A sample gives one sequence, or several for a template that
+    rewrites earlier turns (see the module docstring; `TokenizeResult.sources` maps them back). Sequences
+    longer than `max_length` are cut and counted; those left with no loss token are dropped and counted
+    (unless `keep_empty`). `trained_from[k]`: sample k trains only its assistant turns from that index on."""
     _check_tokenizer(tokenizer)
     if reasoning not in ("include", "drop"):
         raise DataError(f"reasoning: expected 'include' or 'drop', got {reasoning!r}")
     renderer = _Renderer(tokenizer)
-    rendered = [_render_sample(sample, renderer, reasoning, index) for index, sample in enumerate(samples)]
-    encodings = _encode([text for text, _ in rendered], tokenizer)
+    sequences: list[tuple[int, str, list[tuple[int, int]]]] = []
+    for index, sample in enumerate(samples):
+        start = trained_from[index] if trained_from is not None else 0
+        for text, spans in _render_sample(sample, renderer, reasoning, index, start):
+            sequences.append((index, text, spans))
+    encodings = _encode([text for _, text, _ in sequences], tokenizer)
     out: list[TokenizedSample] = []
+    sources: list[int] = []
     truncated = dropped = 0
-    for sample, (text, spans), (ids, offsets) in zip(samples, rendered, encodings):
+    for (index, _text, spans), (ids, offsets) in zip(sequences, encodings):
         mask = _mask_from_offsets(offsets, spans)
         cut = len(ids) > max_length
         if cut:
@@ -99,8 +122,31 @@ def tokenize_samples(
         if not any(mask) and not keep_empty:
             dropped += 1
             continue
-        out.append(TokenizedSample(input_ids=ids, loss_mask=mask, metadata=sample.metadata, truncated=cut))
-    return TokenizeResult(samples=out, truncated=truncated, dropped=dropped)
+        out.append(TokenizedSample(input_ids=ids, loss_mask=mask, metadata=samples[index].metadata, truncated=cut))
+        sources.append(index)
+    return TokenizeResult(samples=out, truncated=truncated, dropped=dropped, sources=sources)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The template's text for `messages` (the one `apply_chat_template` call of posttrain's training side)."""
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+        )
+    except Exception as error:  # jinja raises TemplateError, templates raise their own exceptions
+        raise DataError(f"the chat template failed on {len(messages)} messages: {error}") from error
+
+
+def prompt_ids(tokenizer: Any, conversations: Sequence[Sequence[Message]],
+               tools: list[dict[str, Any]] | None = None) -> list[list[int]]:
+    """Each conversation rendered with the generation prompt and tokenized (no special tokens added: the
+    template has them): what a model is prompted with to write the next assistant turn."""
+    if not conversations:
+        return []
+    _check_tokenizer(tokenizer)
+    texts = [render_chat(tokenizer, messages, generation_prompt=True, tools=tools) for messages in conversations]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[Message]:
@@ -116,10 +162,11 @@ def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[M
 
 
 def assistant_spans(
-    messages: Sequence[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None
-) -> tuple[str, list[tuple[int, int]]]:
-    """Render `messages` and return the text with the character span of every assistant reply."""
-    return _Renderer(tokenizer).spans(messages, tools)
+    messages: Sequence[Message], tokenizer: Any, tools: list[dict[str, Any]] | None = None, trained_from: int = 0
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The training sequences of `messages`: each a rendered text with the character spans of the assistant
+    replies it trains (one sequence for a prefix-stable template; see the module docstring)."""
+    return _Renderer(tokenizer).sequences(messages, tools, trained_from)
 
 
 class _Renderer:
@@ -127,14 +174,15 @@ class _Renderer:
 
     Several samples often share a prompt (many answers to one question, a common system prompt and first
     turns): their ``before`` renderings are then looked up instead of re-rendered. The last reply's
-    ``after`` is the whole conversation, rendered once.
+    ``upto`` is the whole conversation, rendered once.
     """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.cache: dict[tuple, str] = {}
 
-    def spans(self, messages: Sequence[Message], tools: Any) -> tuple[str, list[tuple[int, int]]]:
+    def sequences(self, messages: Sequence[Message], tools: Any,
+                  trained_from: int = 0) -> list[tuple[str, list[tuple[int, int]]]]:
         tools_key = json.dumps(tools, sort_keys=True) if tools else None
         keys = [_message_key(m) for m in messages]
 
@@ -142,23 +190,33 @@ class _Renderer:
             return self.render(messages[:end], (generation_prompt, tools_key, *keys[:end]), generation_prompt, tools)
 
         full = render(len(messages), False)
-        spans = []
+        located = []  # (reply start, the rendering up to and including the reply)
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < trained_from:
                 continue
             before = render(i, True)
-            after = full if i == len(messages) - 1 else render(i + 1, False)
-            if not after.startswith(before):
+            upto = full if i == len(messages) - 1 else render(i + 1, False)
+            if not upto.startswith(before):
                 raise DataError(_unstable(f"messages[:{i}] with the generation prompt", f"messages[:{i + 1}]"))
-            if not full.startswith(after):
-                raise DataError(_unstable(f"messages[:{i + 1}]", "the whole conversation"))
-            spans.append((len(before), len(after)))
-        return full, spans
+            located.append((len(before), upto))
+        # From the last turn back: a turn rendered as a prefix of the current sequence is marked in it.
+        groups: list[tuple[str, list[tuple[int, int]]]] = []
+        text, spans = full, []
+        for start, upto in reversed(located):
+            if not text.startswith(upto):
+                if spans:
+                    groups.append((text, spans[::-1]))
+                text, spans = upto, []
+            spans.append((start, len(upto)))
+        if spans or not groups:
+            groups.append((text, spans[::-1]))
+        return groups[::-1]
 
     def render(self, messages: Sequence[Message], key: tuple, generation_prompt: bool, tools: Any) -> str:
         text = self.cache.get(key)
         if text is None:
-            text = self.cache[key] = _render(self.tokenizer, messages, generation_prompt, tools)
+            text = self.cache[key] = render_chat(self.tokenizer, messages, generation_prompt=generation_prompt,
+                                                 tools=tools)
         return text
 
 
@@ -175,29 +233,20 @@ def _message_key(message: Message) -> tuple:
 
 def _unstable(part: str, whole: str) -> str:
     return (
-        f"the chat template is not prefix-stable: rendering {part} is not a prefix of rendering {whole}, so "
-        "assistant tokens cannot be located (templates that rewrite earlier turns, e.g. strip old reasoning, do "
-        "this); set model.chat_template to a template that renders every turn the same way"
+        f"the chat template is not prefix-stable: rendering {part} is not a prefix of rendering {whole}, so the "
+        "assistant reply cannot be located (the template changes the prompt when the reply is added); set "
+        "model.chat_template to a template that renders the prompt the same way with and without the reply"
     )
 
 
 def _render_sample(
-    sample: SFTSample, renderer: _Renderer, reasoning: Reasoning, index: int
-) -> tuple[str, list[tuple[int, int]]]:
+    sample: SFTSample, renderer: _Renderer, reasoning: Reasoning, index: int, trained_from: int
+) -> list[tuple[str, list[tuple[int, int]]]]:
     messages = conversation_for_training(sample, reasoning)
     try:
-        return renderer.spans(messages, sample.metadata.extras.get("tools"))
+        return renderer.sequences(messages, sample.metadata.extras.get("tools"), trained_from)
     except DataError as error:
         raise DataError(f"sample {index} (source {sample.metadata.source}): {error}") from None
-
-
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Any) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            list(messages), tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
-    except Exception as error:  # jinja raises TemplateError, templates raise their own exceptions
-        raise DataError(f"the chat template failed on {len(messages)} messages: {error}") from error
 
 
 def _encode(texts: list[str], tokenizer: Any) -> list[tuple[list[int], list[tuple[int, int]]]]:

@@ -14,8 +14,16 @@ from posttrain.models.checkpoint import (
     save_checkpoint,
     save_model_dir,
 )
-from posttrain.models.load import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device, set_attention
-from posttrain.models.lora import apply_lora, is_lora, merged_copy, reference_mode
+from posttrain.models.load import (
+    ModelError,
+    attention_choice,
+    autocast_dtype,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    set_attention,
+)
+from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.parts import attention_kernel, disable_dropout, split_head
 from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
@@ -31,13 +39,16 @@ __all__ = [
     "ScalarRewardModel",
     "attention_kernel",
     "apply_lora",
+    "attention_choice",
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
+    "count_adapted",
     "count_parameters",
     "disable_dropout",
     "is_lora",
     "latest_checkpoint",
+    "linear_layer_names",
     "load_model",
     "load_reward_model",
     "load_tokenizer",

@@ -9,16 +9,24 @@ detects packing (a new segment wherever a position is not the previous one plus 
 into a few length buckets (sorted by length, padded to the bucket's longest), runs causal attention per
 bucket, and scatters the outputs back:
 
-    out[s] = softmax(q_s k_s^T * scale + causal) v_s      for every segment s
+    out[s] = softmax(cap(q_s k_s^T * scale) + causal + window) v_s      for every segment s
+
+with the model's own attention features, as transformers passes them to every attention implementation:
+``softcap`` (Gemma 2: ``cap(x) = softcap * tanh(x / softcap)``, applied before the mask, as the eager
+kernel does) and ``sliding_window`` (Mistral, Qwen2, Gemma 2/3, Phi-3 layers: key k is visible from query q
+only when ``q - window < k <= q``, transformers' `sliding_window_overlay`). Anything else the kernel cannot
+compute (attention sinks, ``s_aux``) is a `ValueError`, never a silent difference.
 
 Bucket padding sits after each segment's real tokens, so causality alone keeps real queries from seeing it.
 On CPU the per-bucket attention is plain matmul + fp32 softmax (faster there than the fused sdpa kernel in
-bf16); on other devices it is `scaled_dot_product_attention` with ``is_causal``.
+bf16); on other devices it is `scaled_dot_product_attention` with ``is_causal`` (a boolean mask with a
+window; the matmul path with a soft-cap, which sdpa cannot apply).
 
-It plugs into transformers (>= 5) as an attention implementation for causal decoders with full attention
-(Llama and the like). Given a 4D mask, or a KV cache longer than the query (generation), it is ordinary sdpa
-over that mask, so one model trains packed and generates. `varlen_mask` wraps transformers' mask builder so
-that no 4D mask is built when the caller gave no padding mask (a packed training batch):
+It plugs into transformers (>= 5) as an attention implementation for causal decoders (Llama and the like,
+sliding-window and soft-capped layers included). Given a 4D mask, or a KV cache longer than the query
+(generation), it is ordinary attention over that mask, so one model trains packed and generates.
+`varlen_mask` wraps transformers' mask builder so that no 4D mask is built when the caller gave no padding
+mask (a packed training batch):
 
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -29,12 +37,20 @@ that no 4D mask is built when the caller gave no padding mask (a packed training
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 NUM_BUCKETS = 4
+
+
+class _Features(NamedTuple):
+    """What the model's attention computes beyond plain causal softmax attention."""
+
+    scale: float
+    window: int | None  # sliding window: a query sees itself and the window - 1 keys before it
+    softcap: float | None  # scores -> softcap * tanh(scores / softcap), before the mask
 
 
 def varlen_attention_forward(
@@ -47,21 +63,25 @@ def varlen_attention_forward(
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention with transformers' signature: ``query [B, H, T, D]``, key/value ``[B, H_kv, S, D]``;
     returns ``([B, T, H, D], None)``."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("posttrain_varlen attention cannot compute attention sinks (s_aux); use 'eager'")
     batch, heads, length, head_dim = query.shape
     key, value = _repeat_kv(key, heads), _repeat_kv(value, heads)
+    features = _Features(scaling if scaling is not None else head_dim**-0.5, sliding_window or None, softcap or None)
     if key.shape[2] != length:  # queries after cached keys: generation
-        return _dense_attention(query, key, value, attention_mask, dropout, scaling)
+        return _dense_attention(query, key, value, attention_mask, dropout, features)
     if cu_seq_lens_q is None and attention_mask is None and position_ids is not None:
         cu_seq_lens_q = segments_from_positions(position_ids.expand(batch, -1))
     if cu_seq_lens_q is None:
-        return _dense_attention(query, key, value, attention_mask, dropout, scaling)
+        return _dense_attention(query, key, value, attention_mask, dropout, features)
     if int(cu_seq_lens_q[-1]) != batch * length:
         raise ValueError(f"cu_seq_lens_q covers {int(cu_seq_lens_q[-1])} tokens, the batch has {batch * length}")
-    scale = scaling if scaling is not None else head_dim**-0.5
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
         return x.transpose(1, 2).reshape(batch * length, heads, head_dim)
@@ -72,7 +92,7 @@ def varlen_attention_forward(
     for gather, count, width in buckets:
         shape = (count, width, heads, head_dim)
         q_b, k_b, v_b = (x.index_select(0, gather).view(shape).transpose(1, 2) for x in (q, k, v))
-        out = _causal_attention(q_b, k_b, v_b, scale, dropout)
+        out = _causal_attention(q_b, k_b, v_b, features, dropout)
         pieces.append(out.transpose(1, 2).reshape(count * width, heads, head_dim))
     output = torch.cat(pieces).index_select(0, scatter)
     return output.view(batch, length, heads, head_dim), None
@@ -131,16 +151,35 @@ def _plan(cu: torch.Tensor) -> tuple[list[tuple[torch.Tensor, int, int]], torch.
     return buckets, scatter
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: _Features,
+                      dropout: float) -> torch.Tensor:
     width = q.shape[2]
     if width == 1:
         return v
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    future = torch.ones(width, width, dtype=torch.bool, device=q.device).triu(1)
-    # The diagonal is always allowed, so no row is fully masked and softmax never sees only -inf.
-    probabilities = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32)
+    visible = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
+    if features.window is not None and features.window < width:
+        visible = visible.triu(1 - features.window)
+    if q.device.type != "cpu" and features.softcap is None:
+        plain = features.window is None or features.window >= width
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if plain else visible, dropout_p=dropout,
+                                              is_causal=plain, scale=features.scale)
+    # The diagonal is always visible, so no row is fully masked and softmax never sees only -inf.
+    return _matmul_attention(q, k, v, visible, features, dropout)
+
+
+def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      features: _Features, dropout: float) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + mask) v with an fp32 softmax, in the order of transformers' eager kernel;
+    `mask` is boolean (True = visible) or additive."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * features.scale
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    if mask is not None and mask.dtype == torch.bool:
+        # The dtype's minimum, not -inf: a fully masked row (left padding) softmaxes to finite garbage, not NaN.
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask.to(scores.dtype)
+    probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
     probabilities = F.dropout(probabilities, p=dropout) if dropout else probabilities
     return torch.matmul(probabilities.to(v.dtype), v)
 
@@ -151,20 +190,35 @@ def _dense_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout: float,
-    scaling: float | None,
+    features: _Features,
 ) -> tuple[torch.Tensor, None]:
-    """Ordinary sdpa over a 4D mask (bool or additive), or causal when there is none (as transformers' sdpa)."""
+    """Attention over a 4D mask (bool or additive; transformers builds it with the layer's window), or causal
+    (with the window) when there is none, aligned bottom-right when queries follow cached keys."""
     q_length, kv_length = query.shape[2], key.shape[2]
-    if attention_mask is not None and attention_mask.dtype not in (torch.bool, query.dtype):
+    plain = features.window is None and features.softcap is None
+    if attention_mask is None and plain and q_length == kv_length:
+        output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=q_length > 1,
+                                                scale=features.scale)
+        return output.transpose(1, 2).contiguous(), None
+    # sdpa's is_causal aligns top-left; queries after cached keys need bottom-right.
+    offset = kv_length - q_length
+    if attention_mask is None:
+        attention_mask = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device).tril(offset)
+    if features.window is not None:
+        # Also over a mask the caller built: transformers takes a 4D mask as given, without the layer's window.
+        window = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device).triu(
+            offset - features.window + 1)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = attention_mask & window
+        else:
+            attention_mask = attention_mask.masked_fill(~window, torch.finfo(attention_mask.dtype).min)
+    if features.softcap is not None:  # sdpa cannot soft-cap
+        output = _matmul_attention(query, key, value, attention_mask, features, dropout)
+        return output.transpose(1, 2).contiguous(), None
+    if attention_mask.dtype not in (torch.bool, query.dtype):
         attention_mask = attention_mask.to(query.dtype)
-    is_causal = attention_mask is None and q_length > 1
-    if is_causal and kv_length != q_length:
-        # A prompt after cached tokens: sdpa's is_causal aligns top-left, this needs bottom-right.
-        visible = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device)
-        attention_mask = visible.tril(kv_length - q_length)
-        is_causal = False
     output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal, scale=scaling
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=features.scale
     )
     return output.transpose(1, 2).contiguous(), None
 

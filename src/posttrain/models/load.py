@@ -103,11 +103,29 @@ def load_model(
 VARLEN = "posttrain_varlen"
 
 
+def attention_choice(model: PreTrainedModel, requested: str, device: torch.device) -> tuple[str, str | None]:
+    """The attention implementation for `requested` on `device`, and why "auto" chose it (None otherwise).
+
+    "auto" is the variable-length kernel on CPU (`posttrain.models.attention`: ~1.7x the tokens/s of sdpa on
+    packed rows here; it computes soft-capping and sliding windows) and sdpa elsewhere — unless the model
+    does not support sdpa (Gemma 2: sdpa cannot soft-cap), which gets eager. An explicit choice is returned
+    as asked (transformers refuses one the model does not support, see `set_attention`).
+    """
+    if requested != "auto":
+        return requested, None
+    if device.type == "cpu":
+        return VARLEN, "posttrain's variable-length kernel on CPU"
+    if not getattr(model, "_supports_sdpa", False):
+        return "eager", f"{type(model).__name__} does not support sdpa"
+    return "sdpa", None
+
+
 def set_attention(model: PreTrainedModel, choice: str, device: torch.device) -> None:
-    """Select the attention implementation; "auto" picks the variable-length kernel on CPU (see
-    `posttrain.data.attention`: ~1.7x the tokens/s of sdpa on packed rows here) and sdpa elsewhere."""
-    if choice == "auto":
-        choice = VARLEN if device.type == "cpu" else "sdpa"
+    """Select the attention implementation (see `attention_choice`); the reason for an "auto" fallback is
+    logged, so a run says at its start which kernel computes its attention."""
+    choice, reason = attention_choice(model, choice, device)
+    if reason is not None and choice != VARLEN:
+        log.warning("model.attn_implementation auto: %s (%s)", choice, reason)
     if choice == VARLEN:
         _register_varlen()
     try:

@@ -11,6 +11,14 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.forward import selected_logits, split_head, target_logprobs
 from posttrain.train.loop import Cursor, StepFigures, train_loop
+from posttrain.train.forward import (
+    ForwardParityError,
+    check_forward_parity,
+    logprob_tolerance,
+    selected_logits,
+    split_head,
+    target_logprobs,
+)
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
@@ -21,11 +29,14 @@ __all__ = [
     "Cursor",
     "DataParallel",
     "LocalParallel",
+    "ForwardParityError",
     "Runtime",
     "StepFigures",
     "build_optimizer",
     "build_scheduler",
     "find_checkpoint",
+    "check_forward_parity",
+    "logprob_tolerance",
     "lr_factor",
     "optimizer_step",
     "prepare_model",

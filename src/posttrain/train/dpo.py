@@ -47,7 +47,7 @@ from posttrain.models import (
 )
 from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
-from posttrain.train.forward import selected_logits, target_logprobs
+from posttrain.train.forward import check_forward_parity, selected_logits, target_logprobs
 from posttrain.train.loop import Cursor
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.pairs import PreparedPairs, mean_stats, start_pair_run, sum_stats, train_on_pairs
@@ -81,6 +81,7 @@ def run_dpo(
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
     disable_dropout(model)
+    check_forward_parity(model, pairs.train, runtime.autocast_dtype, layout="padded", what="dpo")
 
     # Reference log-probs, before any checkpoint weights are loaded: the model is still the initial policy.
     started = time.perf_counter()

@@ -4,15 +4,28 @@ A causal LM's head (hidden -> vocabulary) is the largest matmul of a small model
 and SFT/RL only score a fraction of the positions (assistant tokens, sampled tokens). So we run the
 decoder once over the whole sequence and apply the head to the selected positions only. Logits are
 upcast to fp32 before any softmax: bf16 logits lose the small differences that log-probabilities live in.
+
+Whatever the model's own forward does after its head is done here too: the final-logit soft-cap
+(Gemma 2/3: ``logits = cap * tanh(logits / cap)``, in fp32 here). A model that rescales its logits in a way
+this module does not know (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is not split: it runs its
+own whole forward, slower but the same function. `check_forward_parity` compares this
+forward with the model's at the start of a run (below).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+from typing import Any, Literal, Sequence
 
 import torch
 
+from posttrain.data import collate, model_inputs
+from posttrain.data.packing import Row
 from posttrain.models import split_head
+from posttrain.types import PosttrainError
+
+log = logging.getLogger(__name__)
 
 
 def selected_logits(
@@ -29,7 +42,7 @@ def selected_logits(
     Returns [N, vocab] in the row-major order of `select`'s True entries. `model_kwargs` go to the decoder
     (e.g. the `cu_seq_lens_*` of a packed batch for variable-length attention).
     """
-    parts = split_head(model)
+    parts = _splittable(model)
     model_kwargs.setdefault("use_cache", False)  # a KV cache would stop transformers keeping packed samples apart
     if parts is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -39,7 +52,28 @@ def selected_logits(
     hidden = decoder(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs
     ).last_hidden_state
-    return head(hidden[:, :-1][select]).float()
+    return _after_head(model, head(hidden[:, :-1][select]).float())
+
+
+# Logit rescalings some families apply after the head that `selected_logits` does not reproduce.
+_UNKNOWN_HEAD_SCALINGS = ("logit_scale", "logits_scaling")
+
+
+def _splittable(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _UNKNOWN_HEAD_SCALINGS):
+        return None
+    return split_head(model)
+
+
+def final_logit_softcap(model: torch.nn.Module) -> float | None:
+    """The model's final-logit soft-cap (Gemma 2/3), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
+
+
+def _after_head(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    cap = final_logit_softcap(model)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def target_logprobs(
@@ -49,3 +83,153 @@ def target_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tolerance by precision, and the start-up parity check
+# ----------------------------------------------------------------------------------------------------
+
+FP32_LOGPROB_TOLERANCE = 1e-3
+# Two bf16 forwards of the same model (trainer vs engine, ours vs the model's) differed in log-probs by at
+# most ~2.1 bf16 epsilons (2^-8) times the largest |logit| on nine tiny families (tests/test_conformance.py,
+# measured on a CPU): rounding a logit moves it by up to eps * |logit|. Four epsilons per unit of logit is
+# about twice that; a function that differs (a missing soft-cap, a window dropped) moves log-probs by
+# far more on any model whose logits are large enough for the difference to matter.
+BF16_NOISE_PER_LOGIT = 4 * 2.0**-8
+
+
+def logprob_tolerance(autocast: torch.dtype | None, max_abs_logit: float) -> float:
+    """How far two log-probs of the same function may differ at this precision: 1e-3 in fp32 (they agree to
+    ~1e-5); in bf16, `BF16_NOISE_PER_LOGIT` times the largest |logit| (at least 1)."""
+    if autocast is None or autocast == torch.float32:
+        return FP32_LOGPROB_TOLERANCE
+    return max(FP32_LOGPROB_TOLERANCE, BF16_NOISE_PER_LOGIT * max(1.0, max_abs_logit))
+
+
+class ForwardParityError(PosttrainError):
+    """posttrain's training forward and the model's own forward compute different functions."""
+
+
+Layout = Literal["packed", "padded"]  # "packed" (SFT rows, samples side by side) or "padded" (DPO/RM right-padded rows, no mask)
+
+
+@torch.no_grad()
+def check_forward_parity(
+    model: torch.nn.Module,
+    samples: Sequence[Any],
+    autocast: torch.dtype | None,
+    *,
+    layout: Layout,
+    what: str = "training",
+    max_samples: int = 8,
+) -> dict[str, float]:
+    """Compare the training forward on one batch with the model's own (transformers, eager attention, each
+    sample alone, unpadded); raise `ForwardParityError` past `logprob_tolerance`. Returns the gap stats.
+
+    `samples`: token-id lists, packed rows with ``input_ids`` and ``document_ids`` (`posttrain.data.Row`,
+    split into their samples) or tokenized preference pairs (both sequences); the first `max_samples`
+    sequences are used. `layout` is how the recipe
+    feeds them: "packed" (one row, `cu_seq_lens` boundaries, as SFT collates) or "padded" (right-padded
+    rows without a mask, as DPO and the reward model collate). Cheap: one forward per sample and one batch.
+    """
+    sequences = _split_samples(samples, max_samples)
+    if not sequences:
+        return {}
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        ours = _layout_logprobs(model, sequences, layout, device, autocast)
+        reference, top = _reference_logprobs(model, sequences, device, autocast)
+    finally:
+        model.train(was_training)
+    gap = (ours - reference).abs()
+    stats = {"parity_gap_max": float(gap.max()), "parity_gap_mean": float(gap.mean()),
+             "parity_tolerance": logprob_tolerance(autocast, top)}
+    if stats["parity_gap_max"] > stats["parity_tolerance"]:
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+        raise ForwardParityError(
+            f"{what} forward parity: posttrain's forward ({layout} rows, attention {implementation!r}) and the "
+            f"model's own forward differ in log-probs by up to {stats['parity_gap_max']:.4g} (tolerance "
+            f"{stats['parity_tolerance']:.3g}): training would optimise a different function. Set "
+            "model.attn_implementation to 'eager', and report the model type"
+        )
+    log.info("%s forward parity: max log-prob gap %.3g (tolerance %.3g)", what, stats["parity_gap_max"],
+             stats["parity_tolerance"])
+    return stats
+
+
+def _split_samples(samples: Sequence[Any], limit: int) -> list[list[int]]:
+    """Up to `limit` token sequences (of 2 tokens or more: one has nothing to predict) from `samples`."""
+    out: list[list[int]] = []
+    for sample in samples:
+        if len(out) >= limit:
+            break
+        if hasattr(sample, "chosen_ids"):  # a tokenized preference pair: both of its sequences
+            out += [list(sample.chosen_ids), list(sample.rejected_ids)]
+            continue
+        ids = list(getattr(sample, "input_ids", sample))
+        documents = getattr(sample, "document_ids", None)
+        if documents is None:
+            out.append(ids)
+            continue
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or documents[end] != documents[start]:
+                if documents[start] >= 0:
+                    out.append(ids[start:end])
+                start = end
+    return [sequence for sequence in out if len(sequence) > 1][:limit]
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def _layout_logprobs(model, sequences, layout, device, autocast) -> torch.Tensor:
+    if layout == "packed":
+        row = Row([], [], [], [])
+        for index, sequence in enumerate(sequences):
+            row.input_ids += sequence
+            row.loss_mask += [1] * len(sequence)
+            row.position_ids += list(range(len(sequence)))
+            row.document_ids += [index] * len(sequence)
+        inputs = model_inputs(collate([row], pad_id=0, device=device))
+        labels = inputs.pop("labels")
+        select = labels[:, 1:] != -100
+        with _autocast(device, autocast):
+            logits = selected_logits(model, inputs.pop("input_ids"), select, **inputs)
+        return target_logprobs(logits, labels[:, 1:][select])
+    if layout != "padded":
+        raise ValueError(f"check_forward_parity: layout {layout!r}; use 'packed' or 'padded'")
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    select = torch.zeros(len(sequences), width - 1, dtype=torch.bool, device=device)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
+        select[row, : len(sequence) - 1] = True
+    with _autocast(device, autocast):
+        logits = selected_logits(model, ids, select)
+    return target_logprobs(logits, ids[:, 1:][select])
+
+
+def _reference_logprobs(model, sequences, device, autocast) -> tuple[torch.Tensor, float]:
+    """The model's own forward (its own head and logit processing), eager attention, one sample at a time;
+    and the largest |logit| seen (what bf16 noise scales with)."""
+    config = model.config
+    before = config._attn_implementation
+    compiled = any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
+    # A compiled decoder runs uncompiled here: eager attention would otherwise cost a recompilation.
+    uncompiled = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+    try:
+        config._attn_implementation = "eager"
+        with uncompiled, _autocast(device, autocast):
+            out, top = [], 0.0
+            for sequence in sequences:
+                ids = torch.tensor([sequence], device=device)
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                top = max(top, float(logits.abs().max()))
+                out.append(target_logprobs(logits, ids[0, 1:]))
+    finally:
+        config._attn_implementation = before
+    return torch.cat(out), top

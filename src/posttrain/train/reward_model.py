@@ -28,6 +28,7 @@ from posttrain.models import ScalarRewardModel, count_parameters, disable_dropou
 from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.loop import Cursor
+from posttrain.train.forward import check_forward_parity
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.pairs import mean_stats, start_pair_run, sum_stats, train_on_pairs
 from posttrain.train.preference_losses import bradley_terry_loss
@@ -53,6 +54,7 @@ def run_rm(
     output_dir, runtime, tokenizer, pairs = start_pair_run(recipe)
     causal_lm = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     disable_dropout(causal_lm)
+    check_forward_parity(causal_lm, pairs.train, runtime.autocast_dtype, layout="padded", what="rm")
     model = ScalarRewardModel.from_causal_lm(causal_lm)
 
     micro = recipe.train.micro_batch_size or recipe.train.batch_size

@@ -29,6 +29,7 @@ from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_
 from posttrain.models import count_parameters, load_model, load_tokenizer, load_weights_from_checkpoint, save_model_dir
 from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
+from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
@@ -81,6 +82,7 @@ def run_sft(
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=rejects_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
+    check_forward_parity(model, data.epoch_rows(0), runtime.autocast_dtype, layout="packed", what="sft")
     checkpoint = find_checkpoint(output_dir, "sft") if resume else None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
