@@ -18,10 +18,43 @@ from posttrain.config.load import recipe
 
 
 class DataSource(Section):
-    path: str
-    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
-    split: str | None = None  # for a saved DatasetDict
+    """One data source: a local file or directory (`path`) or a dataset by name (`hf`).
+
+    `path`: JSONL, Parquet, CSV or a directory written by datasets' `save_to_disk` (told apart by the name,
+    or set `format`). A path starting with ``posttrain:`` is inside the installed package (the packaged
+    recipes' samples). `hf`: anything `datasets.load_dataset` takes as its first argument (a hub id such as
+    ``org/name``, a local dataset directory or loading script), with `subset` (its config name) and `split`.
+
+    `record_format` says how a record reads (`auto`: detected per source, see docs/data.md); `columns` maps
+    the fields posttrain reads to the columns holding them (``{messages: dialog}``) and `metadata` maps
+    metadata keys to columns (``{domain: category, difficulty: level}``).
+    """
+
+    path: str | None = None
+    hf: str | None = None
+    subset: str | None = None  # the dataset's config name (`load_dataset(hf, subset)`)
+    format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = "auto"
+    split: str | None = None  # for a saved DatasetDict or a hub dataset (default there: train)
     source: str | None = None  # metadata.source for records that lack one (default: the file name)
+    record_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca"] = "auto"
+    columns: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _path_or_hf(self):
+        if (self.path is None) == (self.hf is None):
+            raise ValueError("a data source names exactly one of path (a file or directory) or hf (a dataset)")
+        if self.hf is not None and self.format != "auto":
+            raise ValueError("format applies to path sources; an hf dataset is read by datasets.load_dataset")
+        return self
+
+    @property
+    def name(self) -> str:
+        """How errors and reports name the source: the path, or ``hf:org/name[/subset]:split``."""
+        if self.path is not None:
+            return self.path
+        subset = f"/{self.subset}" if self.subset else ""
+        return f"hf:{self.hf}{subset}:{self.split or 'train'}"
 
 
 class MixConfig(Section):

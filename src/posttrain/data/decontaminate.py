@@ -118,8 +118,8 @@ def read_eval_items(source: DataSource | str | Path) -> list[EvalItem]:
     if not isinstance(source, DataSource):
         source = DataSource(path=str(source))
     items = []
-    for location, record in read_records(source.path, source.format, split=source.split):
-        items.append(_eval_item(record, where(source.path, location)))
+    for location, record in read_records(source):
+        items.append(_eval_item(record, where(source.name, location)))
     return items
 
 

@@ -188,7 +188,8 @@ def _render_sample(
     try:
         return renderer.spans(messages, sample.metadata.extras.get("tools"))
     except DataError as error:
-        raise DataError(f"sample {index} (source {sample.metadata.source}): {error}") from None
+        where = sample.metadata.origin or f"sample {index} (source {sample.metadata.source})"
+        raise DataError(f"{where}: {error}") from None
 
 
 def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Any) -> str:
