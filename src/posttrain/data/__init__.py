@@ -29,7 +29,15 @@ from posttrain.data.packing import (
     model_inputs,
 )
 from posttrain.data.pipeline import PreparedSFTData, prepare_sft_data, read_all_texts
-from posttrain.data.readers import RejectLog, read_jsonl_records, read_records, read_samples, resolve_format
+from posttrain.data.formats import SourceFormat, detect_format
+from posttrain.data.readers import (
+    RejectLog,
+    iter_samples,
+    read_jsonl_records,
+    read_records,
+    read_samples,
+    resolve_format,
+)
 from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, validate_record
 from posttrain.data.split import prompt_fraction, split_by_hash
 from posttrain.data.tokenize import (
@@ -56,6 +64,7 @@ __all__ = [
     "Row",
     "SFTSample",
     "SampleMetadata",
+    "SourceFormat",
     "TokenizeResult",
     "TokenizedSample",
     "assistant_spans",
@@ -67,7 +76,9 @@ __all__ = [
     "cu_seq_lens",
     "decontaminate",
     "deduplicate",
+    "detect_format",
     "group_name",
+    "iter_samples",
     "mix",
     "mixture_table",
     "model_inputs",

@@ -345,8 +345,13 @@ def _pick_split(loaded: Any, split: str | None, name: str) -> Any:
 
 
 def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    """The error on one line, with its cause's (datasets wraps the useful message in a generic one)."""
+    parts = []
+    while error is not None and len(parts) < 2:
+        lines = str(error).strip().splitlines()
+        parts.append(f"{type(error).__name__}: {' '.join(line.strip() for line in lines)[:300]}")
+        error = error.__cause__  # type: ignore[assignment]
+    return " <- ".join(parts)
 
 
 def _drop_arrow_nulls(row: dict[str, Any]) -> dict[str, Any]:
