@@ -41,6 +41,7 @@ from posttrain.config.sft import (
     DedupConfig,
     MixConfig,
     SFTDataConfig,
+    StreamConfig,
     SFTRecipe,
     SFTTrainConfig,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "RewardModelConfig",
     "RuntimeConfig",
     "SFTDataConfig",
+    "StreamConfig",
     "SFTRecipe",
     "SFTTrainConfig",
     "Section",

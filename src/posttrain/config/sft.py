@@ -86,6 +86,18 @@ class DecontaminationConfig(Section):
     ngram: int = Field(13, gt=0)
 
 
+class StreamConfig(Section):
+    """Bounds of the streaming pipeline (`data.streaming: true`; docs/data.md, posttrain.data.stream)."""
+
+    chunk_samples: int = Field(1024, gt=0)  # samples per tokenizer call
+    mix_buffer: int = Field(4096, gt=0)  # samples held for the weighted mix
+    pack_window: int = Field(2048, gt=0)  # samples packed together (best-fit decreasing)
+    dedup_capacity: int = Field(10_000_000, gt=0)  # distinct samples the dedup filters are sized for
+    dedup_error: float = Field(1e-4, gt=0, lt=1)  # their false-positive rate at that capacity
+    heldout_max: int = Field(2000, gt=0)  # samples heldout_fraction keeps for the held-out loss
+    tokenizer_texts: int = Field(200_000, gt=0)  # texts the built-in tokenizer is trained on
+
+
 class SFTDataConfig(Section):
     train: list[DataSource] = []
     heldout: list[DataSource] = []
@@ -97,6 +109,9 @@ class SFTDataConfig(Section):
     pack: bool = True
     on_invalid: Literal["error", "skip"] = "error"  # skip = count them and write a rejects file
     reasoning: Literal["include", "drop"] = "include"  # render metadata.reasoning_trace as <think>..</think>
+    # Read, tokenize, mix and pack incrementally with bounded memory (a dataset larger than memory).
+    streaming: bool = False
+    stream: StreamConfig = StreamConfig()
 
 
 class SFTTrainConfig(Section):

@@ -40,6 +40,7 @@ from posttrain.data.readers import (
 )
 from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, validate_record
 from posttrain.data.split import prompt_fraction, split_by_hash
+from posttrain.data.stream import BloomFilter, RowStream, StreamingSFTData, prepare_streaming_sft_data
 from posttrain.data.tokenize import (
     TokenizedSample,
     TokenizeResult,
@@ -51,6 +52,7 @@ from posttrain.data.tokenize import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "BloomFilter",
     "DataError",
     "DecontaminationResult",
     "DedupResult",
@@ -62,9 +64,11 @@ __all__ = [
     "RecordError",
     "RejectLog",
     "Row",
+    "RowStream",
     "SFTSample",
     "SampleMetadata",
     "SourceFormat",
+    "StreamingSFTData",
     "TokenizeResult",
     "TokenizedSample",
     "assistant_spans",
@@ -85,6 +89,7 @@ __all__ = [
     "ngram_hashes",
     "normalize_text",
     "prepare_sft_data",
+    "prepare_streaming_sft_data",
     "prompt_fraction",
     "prompt_key",
     "read_all_texts",

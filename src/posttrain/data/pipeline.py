@@ -20,6 +20,7 @@ Order of the steps, and why:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from posttrain.data.packing import Row, build_epoch
 from posttrain.data.readers import RejectLog, iter_samples, read_samples
 from posttrain.data.schema import DataError, SFTSample
 from posttrain.data.split import split_by_hash
+from posttrain.data.stream import StreamingSFTData, prepare_streaming_sft_data
 from posttrain.data.tokenize import TokenizedSample, conversation_for_training, tokenize_samples
 
 REJECTS_FILE = "rejects.jsonl"
@@ -72,12 +74,16 @@ class PreparedSFTData:
 
 def prepare_sft_data(
     config: SFTDataConfig, tokenizer: Any, *, seed: int, rejects_dir: str | Path | None = None
-) -> PreparedSFTData:
-    """Run steps 1-5 of the module docstring; `report` holds every count and the epoch-0 mixture."""
+) -> PreparedSFTData | StreamingSFTData:
+    """Run steps 1-5 of the module docstring; `report` holds every count and the epoch-0 mixture.
+    With ``config.streaming`` the same steps run incrementally (`posttrain.data.stream`)."""
     if not config.train:
         raise DataError("data.train: no training source given")
     if config.on_invalid == "skip" and rejects_dir is None:
         raise DataError("data.on_invalid: skip needs a rejects_dir to write the rejected records to")
+    if config.streaming:
+        rejects_path = Path(rejects_dir) / REJECTS_FILE if rejects_dir is not None else None
+        return prepare_streaming_sft_data(config, tokenizer, seed=seed, rejects_path=rejects_path)
     # A fresh file per preparation: a re-run (or a resume) must not pile up the same rejects twice.
     rejects = RejectLog(Path(rejects_dir) / REJECTS_FILE, append=False) if config.on_invalid == "skip" else None
     try:
@@ -121,7 +127,10 @@ def prepare_sft_data(
 def read_all_texts(config: SFTDataConfig) -> list[str]:
     """Every message content, tool call and reasoning trace of the train and held-out sources: the corpus the
     built-in tokenizer is trained on before `prepare_sft_data` runs. Invalid records are passed over here;
-    `prepare_sft_data` reads the sources again and reports (or rejects) them."""
+    `prepare_sft_data` reads the sources again and reports (or rejects) them. A streaming run takes the first
+    `data.stream.tokenizer_texts` texts only (a tokenizer needs a sample of the text, not all of it)."""
+    if config.streaming:
+        return list(itertools.islice(iter_texts(config), config.stream.tokenizer_texts))
     return list(iter_texts(config))
 
 
