@@ -52,3 +52,16 @@ def test_packaged_recipe_runs_as_shipped(name, schema, run, tmp_path):
         assert result.heldout_loss is not None and result.heldout_loss < 1.0
     else:
         assert result.heldout["accuracy"] > result.heldout_start["accuracy"]
+
+
+def test_sft_chat_streaming_trains(tmp_path):
+    overrides = ["data.streaming=true", "train.max_steps=4", "train.log_every=1", "train.save_every=2",
+                 "model.preset=tiny-1m", *QUIET]
+    recipe = load_recipe(packaged_recipe("sft-chat"), [f"output_dir={tmp_path}", *overrides], schema=SFTRecipe)
+    result = run_sft(recipe)
+    report = result.data_report
+    assert report["streaming"] and report["read"]["posttrain:recipes/data/sft-chat/alpaca.csv"] == 120
+    assert set(report["mix_rates"]) == {"arithmetic", "strings", "sorting"} and report["heldout"]["samples"] > 0
+    assert result.steps == 4 and result.heldout_loss is not None
+    steps = losses(result.output_dir)
+    assert steps[4] < steps[1]
