@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from posttrain.config import DataSource, SFTDataConfig
+from posttrain.config import SFTDataConfig
 from posttrain.data import BloomFilter, DataError, prepare_sft_data
 from posttrain.data.stream import StreamingSFTData
 from posttrain.models import train_tokenizer
