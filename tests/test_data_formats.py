@@ -223,3 +223,15 @@ def test_sft_run_on_the_built_in_model_with_a_non_utf8_line_is_one_line(tmp_path
     empty = subprocess.run([*command, f"data.train=[{{path: {tmp_path / 'empty.jsonl'}}}]"],
                            capture_output=True, text=True)
     assert empty.returncode == 2 and f"{tmp_path / 'empty.jsonl'}: empty (no records)" in empty.stderr, empty.stderr
+
+
+def test_a_sample_the_template_refuses_is_named_by_file_and_line(tmp_path):
+    from posttrain.data import tokenize_samples
+    from posttrain.models import train_tokenizer
+
+    path = write_jsonl(tmp_path / "train.jsonl", ["", {"messages": CHAT}])
+    tokenizer = train_tokenizer(["2+2? 4"], vocab_size=300)
+    tokenizer.chat_template = "{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% endif %}{% endfor %}"
+    samples = read_samples(DataSource(path=str(path)))
+    with pytest.raises(DataError, match=rf"^{path}:2: .*not prefix-stable"):  # was "sample 0 (source ...)"
+        tokenize_samples(samples, tokenizer, 64)
