@@ -42,6 +42,7 @@ from posttrain.config.sft import (
     DedupConfig,
     MixConfig,
     SFTDataConfig,
+    StreamConfig,
     SFTRecipe,
     SFTTrainConfig,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "RMLossConfig",
     "RuntimeConfig",
     "SFTDataConfig",
+    "StreamConfig",
     "SFTRecipe",
     "SFTTrainConfig",
     "Section",

@@ -18,10 +18,43 @@ from posttrain.config.load import recipe
 
 
 class DataSource(Section):
-    path: str
-    format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
-    split: str | None = None  # for a saved DatasetDict
+    """One data source: a local file or directory (`path`) or a dataset by name (`hf`).
+
+    `path`: JSONL, Parquet, CSV or a directory written by datasets' `save_to_disk` (told apart by the name,
+    or set `format`). A path starting with ``posttrain:`` is inside the installed package (the packaged
+    recipes' samples). `hf`: anything `datasets.load_dataset` takes as its first argument (a hub id such as
+    ``org/name``, a local dataset directory or loading script), with `subset` (its config name) and `split`.
+
+    `record_format` says how a record reads (`auto`: detected per source, see docs/data.md); `columns` maps
+    the fields posttrain reads to the columns holding them (``{messages: dialog}``) and `metadata` maps
+    metadata keys to columns (``{domain: category, difficulty: level}``).
+    """
+
+    path: str | None = None
+    hf: str | None = None
+    subset: str | None = None  # the dataset's config name (`load_dataset(hf, subset)`)
+    format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = "auto"
+    split: str | None = None  # for a saved DatasetDict or a hub dataset (default there: train)
     source: str | None = None  # metadata.source for records that lack one (default: the file name)
+    record_format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca"] = "auto"
+    columns: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _path_or_hf(self):
+        if (self.path is None) == (self.hf is None):
+            raise ValueError("a data source names exactly one of path (a file or directory) or hf (a dataset)")
+        if self.hf is not None and self.format != "auto":
+            raise ValueError("format applies to path sources; an hf dataset is read by datasets.load_dataset")
+        return self
+
+    @property
+    def name(self) -> str:
+        """How errors and reports name the source: the path, or ``hf:org/name[/subset]:split``."""
+        if self.path is not None:
+            return self.path
+        subset = f"/{self.subset}" if self.subset else ""
+        return f"hf:{self.hf}{subset}:{self.split or 'train'}"
 
 
 class MixConfig(Section):
@@ -53,6 +86,18 @@ class DecontaminationConfig(Section):
     ngram: int = Field(13, gt=0)
 
 
+class StreamConfig(Section):
+    """Bounds of the streaming pipeline (`data.streaming: true`; docs/data.md, posttrain.data.stream)."""
+
+    chunk_samples: int = Field(1024, gt=0)  # samples per tokenizer call
+    mix_buffer: int = Field(4096, gt=0)  # samples held for the weighted mix
+    pack_window: int = Field(2048, gt=0)  # samples packed together (best-fit decreasing)
+    dedup_capacity: int = Field(10_000_000, gt=0)  # distinct samples the dedup filters are sized for
+    dedup_error: float = Field(1e-4, gt=0, lt=1)  # their false-positive rate at that capacity
+    heldout_max: int = Field(2000, gt=0)  # samples heldout_fraction keeps for the held-out loss
+    tokenizer_texts: int = Field(200_000, gt=0)  # texts the built-in tokenizer is trained on
+
+
 class SFTDataConfig(Section):
     train: list[DataSource] = []
     heldout: list[DataSource] = []
@@ -64,6 +109,9 @@ class SFTDataConfig(Section):
     pack: bool = True
     on_invalid: Literal["error", "skip"] = "error"  # skip = count them and write a rejects file
     reasoning: Literal["include", "drop"] = "include"  # render metadata.reasoning_trace as <think>..</think>
+    # Read, tokenize, mix and pack incrementally with bounded memory (a dataset larger than memory).
+    streaming: bool = False
+    stream: StreamConfig = StreamConfig()
 
 
 class SFTTrainConfig(Section):

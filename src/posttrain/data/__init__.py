@@ -29,9 +29,18 @@ from posttrain.data.packing import (
     model_inputs,
 )
 from posttrain.data.pipeline import PreparedSFTData, prepare_sft_data, read_all_texts
-from posttrain.data.readers import RejectLog, read_jsonl_records, read_records, read_samples, resolve_format
+from posttrain.data.formats import SourceFormat, detect_format
+from posttrain.data.readers import (
+    RejectLog,
+    iter_samples,
+    read_jsonl_records,
+    read_records,
+    read_samples,
+    resolve_format,
+)
 from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, validate_record
 from posttrain.data.split import prompt_fraction, split_by_hash
+from posttrain.data.stream import BloomFilter, RowStream, StreamingSFTData, prepare_streaming_sft_data
 from posttrain.data.tokenize import (
     TokenizedSample,
     TokenizeResult,
@@ -45,6 +54,7 @@ from posttrain.data.tokenize import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "BloomFilter",
     "DataError",
     "DecontaminationResult",
     "DedupResult",
@@ -56,8 +66,11 @@ __all__ = [
     "RecordError",
     "RejectLog",
     "Row",
+    "RowStream",
     "SFTSample",
     "SampleMetadata",
+    "SourceFormat",
+    "StreamingSFTData",
     "TokenizeResult",
     "TokenizedSample",
     "assistant_spans",
@@ -71,13 +84,16 @@ __all__ = [
     "cu_seq_lens",
     "decontaminate",
     "deduplicate",
+    "detect_format",
     "group_name",
+    "iter_samples",
     "mix",
     "mixture_table",
     "model_inputs",
     "ngram_hashes",
     "normalize_text",
     "prepare_sft_data",
+    "prepare_streaming_sft_data",
     "prompt_fraction",
     "prompt_key",
     "read_all_texts",

@@ -118,8 +118,8 @@ def read_eval_items(source: DataSource | str | Path) -> list[EvalItem]:
     if not isinstance(source, DataSource):
         source = DataSource(path=str(source))
     items = []
-    for location, record in read_records(source.path, source.format, split=source.split):
-        items.append(_eval_item(record, where(source.path, location)))
+    for location, record in read_records(source):
+        items.append(_eval_item(record, where(source.name, location)))
     return items
 
 
@@ -159,33 +159,48 @@ def decontaminate(
     samples: Sequence[SFTSample], eval_items: Sequence[EvalItem], tokenizer: Any, ngram: int = 13
 ) -> DecontaminationResult:
     """Keep the samples that share no `ngram`-token n-gram and no normalized prompt with any eval item."""
-    if not eval_items:
-        return DecontaminationResult(samples=list(samples), ngram=ngram)
-    index = NgramIndex(ngram)
-    for item, ids in zip(eval_items, _token_ids([item.text for item in eval_items], tokenizer)):
-        index.add(ids, item.key)
-    prompts: dict[str, str] = {}
-    for item in eval_items:
-        if item.prompt:
-            prompts.setdefault(item.prompt, item.key)
-    overlaps = index.overlaps_many(_token_ids([sample_text(s) for s in samples], tokenizer))
-    kept, contaminated = [], []
-    for position, (sample, ngram_hits) in enumerate(zip(samples, overlaps)):
-        prompt_hit = prompts.get(prompt_key(sample.messages))
-        if not ngram_hits and prompt_hit is None:
-            kept.append(sample)
-            continue
-        reasons = (["ngram"] if ngram_hits else []) + (["exact_prompt"] if prompt_hit is not None else [])
-        contaminated.append(
-            {
-                "sample": position,
-                "source": sample.metadata.source,
-                "reason": "+".join(reasons),
-                "eval_items": sorted(set(ngram_hits) | ({prompt_hit} if prompt_hit is not None else set())),
-                "prompt": sample.prompt_text[:200],
-            }
-        )
-    return DecontaminationResult(samples=kept, contaminated=contaminated, eval_items=len(eval_items), ngram=ngram)
+    return Decontaminator(eval_items, tokenizer, ngram).check(samples)
+
+
+class Decontaminator:
+    """The eval items' n-gram index and prompts, built once; `check` a list (or a stream's chunks) against them.
+
+    Its memory is that of the eval sets (one 8-byte hash per distinct eval n-gram, one prompt per item),
+    whatever the amount of training data checked."""
+
+    def __init__(self, eval_items: Sequence[EvalItem], tokenizer: Any, ngram: int = 13):
+        self.tokenizer, self.ngram, self.num_items = tokenizer, ngram, len(eval_items)
+        self.index = NgramIndex(ngram)
+        for item, ids in zip(eval_items, _token_ids([item.text for item in eval_items], tokenizer)):
+            self.index.add(ids, item.key)
+        self.prompts: dict[str, str] = {}
+        for item in eval_items:
+            if item.prompt:
+                self.prompts.setdefault(item.prompt, item.key)
+
+    def check(self, samples: Sequence[SFTSample]) -> DecontaminationResult:
+        if not self.num_items:
+            return DecontaminationResult(samples=list(samples), ngram=self.ngram)
+        overlaps = self.index.overlaps_many(_token_ids([sample_text(s) for s in samples], self.tokenizer))
+        kept, contaminated = [], []
+        for position, (sample, ngram_hits) in enumerate(zip(samples, overlaps)):
+            prompt_hit = self.prompts.get(prompt_key(sample.messages))
+            if not ngram_hits and prompt_hit is None:
+                kept.append(sample)
+                continue
+            reasons = (["ngram"] if ngram_hits else []) + (["exact_prompt"] if prompt_hit is not None else [])
+            contaminated.append(
+                {
+                    "sample": position,
+                    "source": sample.metadata.source,
+                    "origin": sample.metadata.origin,
+                    "reason": "+".join(reasons),
+                    "eval_items": sorted(set(ngram_hits) | ({prompt_hit} if prompt_hit is not None else set())),
+                    "prompt": sample.prompt_text[:200],
+                }
+            )
+        return DecontaminationResult(samples=kept, contaminated=contaminated, eval_items=self.num_items,
+                                     ngram=self.ngram)
 
 
 def _token_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:

@@ -54,7 +54,7 @@ def build_epoch(
     too_long = next((i for i, s in enumerate(tokenized) if len(s) > max_length), None)
     if too_long is not None:
         raise DataError(
-            f"sample {too_long} has {len(tokenized[too_long])} tokens, more than max_length={max_length}; "
+            f"{tokenized[too_long].metadata.origin or f'sample {too_long}'} has {len(tokenized[too_long])} tokens, more than max_length={max_length}; "
             "tokenize with the same max_length"
         )
     rng = np.random.default_rng([seed % (1 << 64), epoch % (1 << 64), 0x9ACC])

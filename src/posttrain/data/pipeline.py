@@ -20,19 +20,21 @@ Order of the steps, and why:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from posttrain.config import DataSource, SFTDataConfig
 from posttrain.data.decontaminate import decontaminate, read_eval_items
 from posttrain.data.dedup import deduplicate
 from posttrain.data.mixing import MixResult, mix
 from posttrain.data.packing import Row, build_epoch
-from posttrain.data.readers import RejectLog, read_records, read_samples
-from posttrain.data.schema import DataError, RecordError, SFTSample, validate_record
+from posttrain.data.readers import RejectLog, iter_samples, read_samples
+from posttrain.data.schema import DataError, SFTSample
 from posttrain.data.split import split_by_hash
+from posttrain.data.stream import StreamingSFTData, prepare_streaming_sft_data
 from posttrain.data.tokenize import TokenizedSample, conversation_for_training, tokenize_samples
 
 REJECTS_FILE = "rejects.jsonl"
@@ -72,12 +74,16 @@ class PreparedSFTData:
 
 def prepare_sft_data(
     config: SFTDataConfig, tokenizer: Any, *, seed: int, rejects_dir: str | Path | None = None
-) -> PreparedSFTData:
-    """Run steps 1-5 of the module docstring; `report` holds every count and the epoch-0 mixture."""
+) -> PreparedSFTData | StreamingSFTData:
+    """Run steps 1-5 of the module docstring; `report` holds every count and the epoch-0 mixture.
+    With ``config.streaming`` the same steps run incrementally (`posttrain.data.stream`)."""
     if not config.train:
         raise DataError("data.train: no training source given")
     if config.on_invalid == "skip" and rejects_dir is None:
         raise DataError("data.on_invalid: skip needs a rejects_dir to write the rejected records to")
+    if config.streaming:
+        rejects_path = Path(rejects_dir) / REJECTS_FILE if rejects_dir is not None else None
+        return prepare_streaming_sft_data(config, tokenizer, seed=seed, rejects_path=rejects_path)
     # A fresh file per preparation: a re-run (or a resume) must not pile up the same rejects twice.
     rejects = RejectLog(Path(rejects_dir) / REJECTS_FILE, append=False) if config.on_invalid == "skip" else None
     try:
@@ -121,21 +127,23 @@ def prepare_sft_data(
 def read_all_texts(config: SFTDataConfig) -> list[str]:
     """Every message content, tool call and reasoning trace of the train and held-out sources: the corpus the
     built-in tokenizer is trained on before `prepare_sft_data` runs. Invalid records are passed over here;
-    `prepare_sft_data` reads the sources again and reports (or rejects) them."""
-    texts: list[str] = []
+    `prepare_sft_data` reads the sources again and reports (or rejects) them. A streaming run takes the first
+    `data.stream.tokenizer_texts` texts only (a tokenizer needs a sample of the text, not all of it)."""
+    if config.streaming:
+        return list(itertools.islice(iter_texts(config), config.stream.tokenizer_texts))
+    return list(iter_texts(config))
+
+
+def iter_texts(config: SFTDataConfig) -> Iterator[str]:
+    """`read_all_texts` one text at a time (what a streaming run trains its tokenizer on, bounded)."""
     for source in [*config.train, *config.heldout]:
-        # Rejects only counted here, in a throwaway log: prepare_sft_data reads again and reports them.
-        records = read_records(source.path, source.format, split=source.split, on_invalid="skip", rejects=RejectLog(None))
-        for _, record in records:
-            try:
-                sample = validate_record(record)
-            except RecordError:
-                continue
+        # The same readers and format conversion as training (a bad line is passed over, never a traceback);
+        # rejects only counted here, in a throwaway log: prepare_sft_data reads again and reports them.
+        for sample in iter_samples(source, on_invalid="skip", rejects=RejectLog(None)):
             for message in conversation_for_training(sample, config.reasoning):
-                texts.append(message.get("content") or "")
+                yield message.get("content") or ""
                 if message.get("tool_calls"):
-                    texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
-    return texts
+                    yield json.dumps(message["tool_calls"], ensure_ascii=False)
 
 
 def _read_all(
@@ -145,7 +153,7 @@ def _read_all(
     counts: dict[str, int] = {}
     for source in sources:
         read = read_samples(source, config.on_invalid, rejects)
-        counts[source.path] = len(read)
+        counts[source.name] = len(read)
         samples.extend(read)
     return samples, counts
 

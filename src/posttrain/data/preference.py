@@ -10,6 +10,9 @@ A record on disk (one JSONL line, one Parquet row, one dataset row):
 `prompt` is a list of messages (a plain string is shorthand for one user message). `chosen` and `rejected`
 are each one assistant message, a list of messages (a multi-turn response: assistant turns with tool results
 between them), or a plain string (shorthand for one assistant message). Metadata is the SFT sample's.
+Without a `prompt`, `chosen` and `rejected` are whole conversations sharing their first turns (the
+UltraFeedback-binarized layout): the shared turns are the prompt. Scores (`score_chosen`, `score_rejected`)
+are kept in the metadata. Column and metadata mappings: `posttrain.data.formats`.
 
 The same readers and error rules as SFT data (`posttrain.data.read_records`): an invalid record is a
 `DataError` naming `file:line: field: problem` (`file:row N` for Parquet and saved datasets), or with
@@ -42,6 +45,8 @@ from posttrain.data import (
     read_records,
     tokenize_samples,
 )
+from posttrain.data.formats import SourceFormat
+from posttrain.data.readers import source_label
 from posttrain.data.schema import _validate_message, _validate_metadata
 from posttrain.types import Message
 
@@ -156,21 +161,25 @@ def _without_nulls(message: Any) -> Any:
 def read_preference_pairs(
     source: DataSource, *, on_invalid: str = "error", rejects: RejectLog | None = None
 ) -> list[PreferencePair]:
-    """Every valid pair of one source (JSONL, Parquet or a dataset saved to disk), in file order."""
-    path = Path(source.path)
-    default_source = source.source or path.name
+    """Every valid pair of one source (JSONL, Parquet, CSV, a saved or an `hf` dataset), in file order.
+
+    Records are explicit (prompt, chosen, rejected) or implicit (chosen and rejected whole conversations
+    sharing their prompt turns), through the source's `columns` and `metadata` mappings
+    (`posttrain.data.formats`); each pair's `origin` is its ``file:line``."""
+    default_source = source.source or source_label(source)
+    converter = SourceFormat(columns=source.columns, metadata=source.metadata)
     pairs = []
-    for location, record in read_records(path, source.format, split=source.split, on_invalid=on_invalid,
-                                         rejects=rejects):
-        where = f"{path}:{location}"
+    for location, record in read_records(source, on_invalid=on_invalid, rejects=rejects):  # type: ignore[arg-type]
+        where = f"{source.name}:{location}"
         try:
-            pair = validate_pair_record(record, default_source)
+            pair = validate_pair_record(converter.to_pair(record), default_source)
         except RecordError as error:
             if on_invalid != "skip" or rejects is None:
                 raise DataError(f"{where}: {error}") from None
-            rejects.add(str(path), location, str(error), record)
+            rejects.add(source.name, location, str(error), record)
             continue
         pair.origin = where
+        pair.metadata.origin = where
         pairs.append(pair)
     return pairs
 

@@ -7,7 +7,11 @@ A record on disk (one JSONL line, one Parquet row, one dataset row) looks like
                   "source": "generated", "any_extra": "kept"}}
 
 Metadata keys other than the four named ones are kept in `extras` and can be mixed on like the others.
+A message's content is a string or a list of OpenAI-style parts: text parts (``{"type": "text", "text": ...}``)
+are joined with a newline; any other part (an image, audio) is an error naming it.
 `validate_record` turns a raw record into an `SFTSample` or raises `RecordError` naming the field.
+`metadata.origin` is where the sample was read (``train.jsonl:17``), set by the readers so that every later
+error about the sample (tokenization, packing) names the file and line; it is not written back out.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class SampleMetadata:
     reasoning_trace: str | None = None
     source: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    origin: str | None = None  # "file:line" / "file:row N" it was read from; never written out
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value by name, named fields and extras alike (what mixing groups on)."""
@@ -103,8 +108,11 @@ def _validate_message(message: Any, where: str) -> Message:
     tool_calls = message.get("tool_calls")
     if content is None and not tool_calls:
         raise RecordError(f"{where}.content", "missing")
+    if isinstance(content, list):
+        content = _text_of_parts(content, f"{where}.content")
     if content is not None and not isinstance(content, str):
-        raise RecordError(f"{where}.content", f"expected a string, got {type(content).__name__}")
+        raise RecordError(f"{where}.content", f"expected a string or a list of text parts, got "
+                          f"{type(content).__name__}")
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
             raise RecordError(f"{where}.tool_calls", "only an assistant message may carry a list of tool calls")
@@ -119,6 +127,21 @@ def _validate_message(message: Any, where: str) -> Message:
         if key in message:
             clean[key] = message[key]
     return clean
+
+
+def _text_of_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            got = repr(kind) if isinstance(part, dict) else type(part).__name__
+            raise RecordError(f"{where}[{j}]", f"only text parts ({{type: text, text: ...}}) can be trained on, "
+                              f"got {got}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _validate_metadata(meta: dict[str, Any], default_source: str | None) -> SampleMetadata:

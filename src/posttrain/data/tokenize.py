@@ -246,7 +246,8 @@ def _render_sample(
     try:
         return renderer.sequences(messages, sample.metadata.extras.get("tools"), trained_from)
     except DataError as error:
-        raise DataError(f"sample {index} (source {sample.metadata.source}): {error}") from None
+        where = sample.metadata.origin or f"sample {index} (source {sample.metadata.source})"
+        raise DataError(f"{where}: {error}") from None
 
 
 def _encode(texts: list[str], tokenizer: Any) -> list[tuple[list[int], list[tuple[int, int]]]]:

@@ -62,12 +62,12 @@ def training_samples(config: EvalContamination) -> list[SFTSample]:
 def preference_samples(source: DataSource) -> list[SFTSample]:
     """A pair as one sample: the prompt, then the chosen and the rejected responses (both were trained on)."""
     samples = []
-    for location, record in read_records(source.path, source.format, split=source.split):
+    for location, record in read_records(source):
         messages = _messages(record.get("prompt"), "user") + _messages(record.get("chosen"), "assistant") \
             + _messages(record.get("rejected"), "assistant")
         if not messages:
-            raise DataError(f"{source.path}:{location}: a preference pair needs prompt, chosen and rejected")
-        samples.append(SFTSample(messages, SampleMetadata(source=source.source or Path(source.path).name)))
+            raise DataError(f"{source.name}:{location}: a preference pair needs prompt, chosen and rejected")
+        samples.append(SFTSample(messages, SampleMetadata(source=source.source or Path(source.name).name)))
     return samples
 
 

@@ -1,0 +1,399 @@
+"""Streaming SFT data: a dataset far larger than memory trains with bounded memory.
+
+    data: {streaming: true, train: [{path: huge.jsonl}], ...}      # prepare_sft_data returns StreamingSFTData
+
+Rows flow through the same steps as the in-memory pipeline (`posttrain.data.pipeline`), a chunk at a time:
+
+    read (line by line / record batch) -> exact and near dedup -> held-out split by prompt hash
+      -> decontaminate -> tokenize (chunks of `stream.chunk_samples`) -> mix -> pack (windows of
+      `stream.pack_window` samples) -> rows
+
+What stays in memory, and why it is bounded (docs/data.md has the figures):
+
+* exact dedup: a Bloom filter of `stream.dedup_capacity` items at false-positive rate `stream.dedup_error`
+  (bits = -n ln p / ln²2, allocated once: 24 MB for 10M items at 1e-4). A false positive drops a unique
+  sample with probability <= p; past the capacity the rate rises (the run reports the fill).
+* near dedup: the LSH band keys of each kept sample's MinHash go into a second Bloom filter of the same
+  size; a sample whose band key is already there is a near-duplicate. Unlike the in-memory pass, the
+  candidate is not confirmed by its Jaccard estimate (that would keep every signature), so pairs a little
+  below `threshold` are flagged too.
+* decontamination: the eval sets' n-gram index, whose size is that of the eval sets, not of the training data.
+* held-out: `heldout_fraction` by the stable prompt hash (no state); given held-out sources are read into
+  memory (they are small) and their prompts kept in a set.
+* mixing: the in-memory `mix`'s counts per group (weights over `mix.by` groups, `samples_per_epoch`),
+  reached by rates: a first pass (the survey) counts the samples available per group, and in every epoch
+  each sample of group g is used rate_g = count_g / available_g times in expectation (floor(rate) copies,
+  one more with probability rate - floor(rate); weight 0 drops the group). The counts are exact in
+  expectation rather than exactly; the order is the sources' order shuffled within a buffer of
+  `stream.mix_buffer` samples (shuffle a sorted file beforehand). With no `mix.by` and no
+  `samples_per_epoch` every sample is used once and the survey is skipped.
+* packing: best-fit decreasing within windows of `stream.pack_window` samples, rows shuffled per window.
+
+Everything depends only on (seed, epoch), so an epoch re-streams identically: the trainer's cursor
+(epoch, row) resumes exactly by skipping rows. `len(epoch_rows(e))` counts the epoch's rows with one
+streaming pass (cached), so steps per epoch and the LR schedule are exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+from datasketch import MinHash, MinHashLSH
+
+from posttrain.config import SFTDataConfig
+from posttrain.data.decontaminate import Decontaminator, read_eval_items
+from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text, normalize_text
+from posttrain.data.mixing import _apportion, _weights, group_name
+from posttrain.data.packing import Row, _best_fit_decreasing, _make_row, build_epoch
+from posttrain.data.readers import RejectLog, iter_samples
+from posttrain.data.schema import DataError, SFTSample
+from posttrain.data.split import prompt_fraction
+from posttrain.data.tokenize import TokenizedSample, tokenize_samples
+
+
+class BloomFilter:
+    """A fixed-size Bloom filter: `add` says whether the key may have been seen before (then it is not added)."""
+
+    def __init__(self, capacity: int, error_rate: float):
+        if capacity <= 0 or not 0 < error_rate < 1:
+            raise DataError(f"a Bloom filter needs capacity > 0 and 0 < error_rate < 1, got {capacity}, {error_rate}")
+        self.num_bits = max(64, math.ceil(-capacity * math.log(error_rate) / math.log(2) ** 2))
+        self.num_hashes = max(1, round(self.num_bits / capacity * math.log(2)))
+        self.bits = bytearray((self.num_bits + 7) // 8)  # a bytearray: scalar access is ~5x numpy's
+        self.count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.bits)
+
+    def _positions(self, key: bytes) -> list[int]:
+        digest = hashlib.blake2b(key, digest_size=16).digest()
+        first, second = int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") | 1
+        return [(first + i * second) % self.num_bits for i in range(self.num_hashes)]  # double hashing
+
+    def __contains__(self, key: bytes) -> bool:
+        return all(self.bits[p >> 3] & (1 << (p & 7)) for p in self._positions(key))
+
+    def add(self, key: bytes) -> bool:
+        """True if `key` was new (and is now in the filter), False if it (probably) was already there."""
+        positions = self._positions(key)
+        seen = all(self.bits[p >> 3] & (1 << (p & 7)) for p in positions)
+        if not seen:
+            for p in positions:
+                self.bits[p >> 3] |= 1 << (p & 7)
+            self.count += 1
+        return not seen
+
+
+class StreamDedup:
+    """Exact and near-duplicate removal over a stream, in the bounded state described in the module docstring."""
+
+    def __init__(self, config: SFTDataConfig):
+        stream, dedup = config.stream, config.dedup
+        self.exact = BloomFilter(stream.dedup_capacity, stream.dedup_error) if dedup.exact else None
+        self.near = BloomFilter(stream.dedup_capacity, stream.dedup_error) if dedup.near else None
+        if dedup.near:
+            lsh = MinHashLSH(threshold=dedup.threshold, num_perm=dedup.num_perm)  # datasketch's banding choice
+            self.bands, self.rows_per_band = lsh.b, lsh.r
+        self.config = dedup
+        self.exact_duplicates = self.near_duplicates = 0
+
+    def keep(self, sample: SFTSample) -> bool:
+        text = conversation_text(sample.messages)
+        if self.exact is not None and not self.exact.add(normalize_text(text).encode()):
+            self.exact_duplicates += 1
+            return False
+        if self.near is not None:
+            signature = MinHash(num_perm=self.config.num_perm, seed=_MINHASH_SEED)
+            signature.update_batch(_shingles(text, self.config.shingle))
+            values = signature.hashvalues
+            keys = [b"%d:" % band + values[band * self.rows_per_band:(band + 1) * self.rows_per_band].tobytes()
+                    for band in range(self.bands)]
+            new = [self.near.add(key) for key in keys]  # every band added, so later near copies match any band
+            if not all(new):
+                self.near_duplicates += 1
+                return False
+        return True
+
+    def report(self) -> dict[str, Any]:
+        state = {"exact_duplicates": self.exact_duplicates, "near_duplicates": self.near_duplicates}
+        for name, bloom in (("exact", self.exact), ("near", self.near)):
+            if bloom is not None:
+                state[f"{name}_filter_bytes"], state[f"{name}_filter_items"] = bloom.nbytes, bloom.count
+        return state
+
+
+@dataclass
+class StreamStats:
+    """Counts of one streaming epoch (complete once the epoch has been read to its end)."""
+
+    read: dict[str, int] = field(default_factory=dict)
+    heldout_split: int = 0
+    heldout_prompt_overlap_removed: int = 0
+    decontaminated: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    mixed_out: int = 0  # in groups of weight 0
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    rows: int = 0
+    dedup: dict[str, Any] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog | None,
+                   heldout_prompts: set[str], heldout_sink: list[SFTSample] | None = None) -> Iterator[SFTSample]:
+    """Train samples of every source in turn: read, deduplicated, held-out split off (the first
+    `stream.heldout_max` of those split off are collected in `heldout_sink`)."""
+    dedup = StreamDedup(config)
+    for source in config.train:
+        count = 0
+        for sample in iter_samples(source, config.on_invalid, rejects):
+            count += 1
+            if not dedup.keep(sample):
+                continue
+            if heldout_prompts:
+                if sample.prompt_text in heldout_prompts:
+                    stats.heldout_prompt_overlap_removed += 1
+                    continue
+            elif config.heldout_fraction > 0 and prompt_fraction(sample.prompt_text) < config.heldout_fraction:
+                stats.heldout_split += 1
+                if heldout_sink is not None and len(heldout_sink) < config.stream.heldout_max:
+                    heldout_sink.append(sample)
+                continue
+            yield sample
+        stats.read[source.name] = count
+    stats.dedup = dedup.report()
+
+
+def stream_tokenized(config: SFTDataConfig, tokenizer: Any, samples: Iterator[SFTSample], stats: StreamStats,
+                     decontaminator: Decontaminator | None) -> Iterator[TokenizedSample]:
+    """Decontaminated and tokenized a chunk at a time (one batched tokenizer call per chunk)."""
+    chunk: list[SFTSample] = []
+
+    def flush() -> list[TokenizedSample]:
+        kept = chunk
+        if decontaminator is not None:
+            result = decontaminator.check(chunk)
+            stats.decontaminated += len(chunk) - len(result.samples)
+            kept = result.samples
+        tokenized = tokenize_samples(kept, tokenizer, config.max_length, config.reasoning)
+        stats.truncated += tokenized.truncated
+        stats.dropped += tokenized.dropped
+        return tokenized.samples
+
+    for sample in samples:
+        chunk.append(sample)
+        if len(chunk) >= config.stream.chunk_samples:
+            yield from flush()
+            chunk = []
+    if chunk:
+        yield from flush()
+
+
+def stream_mixed(config: SFTDataConfig, items: Iterator[TokenizedSample], rng: np.random.Generator,
+                 stats: StreamStats, rates: dict[str, float] | None) -> Iterator[TokenizedSample]:
+    """Each sample of group g kept ``rate_g`` times in expectation (floor(rate) copies, one more with
+    probability rate - floor(rate)), through a shuffle buffer of `stream.mix_buffer` samples."""
+    buffer: list[TokenizedSample] = []
+
+    def pop() -> TokenizedSample:
+        index = int(rng.integers(len(buffer)))
+        buffer[index], buffer[-1] = buffer[-1], buffer[index]
+        return buffer.pop()
+
+    for item in items:
+        rate = 1.0 if rates is None else rates.get(group_name(item.metadata, config.mix.by), 0.0)
+        whole = int(rate)
+        copies = whole + int(rng.random() < rate - whole)
+        if rate == 0:
+            stats.mixed_out += 1
+        for _ in range(copies):
+            buffer.append(item)
+            if len(buffer) >= config.stream.mix_buffer:
+                yield pop()
+    while buffer:
+        yield pop()
+
+
+def mix_rates(config: SFTDataConfig, available: dict[str, int]) -> dict[str, float]:
+    """Per group, how many times each of its samples is used in an epoch: the in-memory `mix`'s counts
+    (`samples_per_epoch` or every kept sample, shared by weight) over the samples available."""
+    weights = _weights({name: [] for name in available}, config.mix)
+    kept = {name: w for name, w in weights.items() if w > 0}
+    if not kept:
+        raise DataError("data.mix: every group has weight 0; nothing to train on")
+    total = config.mix.samples_per_epoch or sum(available[name] for name in kept)
+    counts = _apportion(kept, total)
+    return {name: counts.get(name, 0) / available[name] for name in available}
+
+
+def stream_packed(config: SFTDataConfig, items: Iterator[TokenizedSample], rng: np.random.Generator,
+                  stats: StreamStats) -> Iterator[Row]:
+    """Rows packed by best-fit decreasing within windows of `stream.pack_window` samples."""
+    window: list[TokenizedSample] = []
+
+    def flush() -> list[Row]:
+        if config.pack:
+            bins = _best_fit_decreasing([len(s) for s in window], config.max_length)
+        else:
+            bins = [[i] for i in range(len(window))]
+        rows = [_make_row([window[i] for i in members]) for members in bins]
+        return [rows[int(i)] for i in rng.permutation(len(rows))]
+
+    for item in items:
+        stats.samples += 1
+        stats.tokens += len(item)
+        stats.loss_tokens += item.num_loss_tokens
+        window.append(item)
+        if len(window) >= config.stream.pack_window:
+            for row in flush():
+                stats.rows += 1
+                yield row
+            window = []
+    if window:
+        for row in flush():
+            stats.rows += 1
+            yield row
+
+
+class RowStream:
+    """The rows of one streaming epoch as the trainer reads them: `len` (one counting pass, cached) and
+    forward slices ``rows[a:b]`` (a slice before the current position re-streams the epoch from its start)."""
+
+    def __init__(self, data: StreamingSFTData, epoch: int):
+        self.data, self.epoch = data, epoch
+        self._length: int | None = None
+        self._iterator: Iterator[Row] | None = None
+        self._position = 0
+
+    def __len__(self) -> int:
+        if self._length is None:
+            self._length = self.data.count_rows(self.epoch)
+        return self._length
+
+    def __getitem__(self, index: slice) -> list[Row]:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("a streaming epoch is read by forward slices rows[a:b]")
+        start, stop = index.start or 0, index.stop
+        if self._iterator is None or start < self._position:
+            self._iterator, self._position = self.data.iter_rows(self.epoch), 0
+        while self._position < start and next(self._iterator, None) is not None:
+            self._position += 1
+        rows = []
+        while stop is None or self._position < stop:
+            row = next(self._iterator, None)
+            if row is None:
+                break
+            rows.append(row)
+            self._position += 1
+        return rows
+
+
+class StreamingSFTData:
+    """`PreparedSFTData`'s interface over a stream: `epoch_rows`, `heldout_rows`, `has_heldout`, `report`."""
+
+    def __init__(self, config: SFTDataConfig, tokenizer: Any, seed: int, rejects_path: Any = None,
+                 heldout: list[TokenizedSample] | None = None, heldout_prompts: set[str] | None = None):
+        self.config, self.tokenizer, self.seed = config, tokenizer, seed
+        self.rejects_path = rejects_path
+        self.heldout = heldout or []
+        self.heldout_prompts = heldout_prompts or set()
+        self.decontaminator = None
+        if config.decontaminate.against:
+            items = [item for source in config.decontaminate.against for item in read_eval_items(source)]
+            self.decontaminator = Decontaminator(items, tokenizer, config.decontaminate.ngram)
+        self.report: dict[str, Any] = {"streaming": True}
+        self._counts: dict[int, int] = {}
+        self.rates: dict[str, float] | None = None
+        if config.mix.by or config.mix.samples_per_epoch or config.mix.weights:
+            self.rates = mix_rates(config, self.survey())
+            self.report["mix_rates"] = {name: round(rate, 6) for name, rate in self.rates.items()}
+
+    @property
+    def has_heldout(self) -> bool:
+        return bool(self.heldout)
+
+    def iter_rows(self, epoch: int, stats: StreamStats | None = None,
+                  heldout_sink: list[SFTSample] | None = None) -> Iterator[Row]:
+        """Every row of `epoch`, deterministic in (seed, epoch); `stats` fills in as the rows are read."""
+        stats = stats if stats is not None else StreamStats()
+        rng = np.random.default_rng([self.seed % (1 << 64), epoch % (1 << 64), 0x57AE])
+        rejects = None
+        if self.config.on_invalid == "skip":  # written on the first pass only: every pass sees the same rejects
+            rejects = RejectLog(self.rejects_path if not self._counts else None)
+        try:
+            samples = stream_samples(self.config, stats, rejects, self.heldout_prompts, heldout_sink)
+            tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
+            mixed = stream_mixed(self.config, tokenized, rng, stats, self.rates)
+            yield from stream_packed(self.config, mixed, rng, stats)
+        finally:
+            if rejects is not None:
+                rejects.close()
+                stats.dedup["rejected"] = rejects.count
+
+    def survey(self) -> dict[str, int]:
+        """Samples available per mix group after dedup, the held-out split and decontamination (one pass,
+        without tokenizing)."""
+        available: dict[str, int] = {}
+        chunk: list[SFTSample] = []
+
+        def count() -> None:
+            kept = self.decontaminator.check(chunk).samples if self.decontaminator is not None else chunk
+            for sample in kept:
+                name = group_name(sample.metadata, self.config.mix.by)
+                available[name] = available.get(name, 0) + 1
+
+        rejects = RejectLog(None) if self.config.on_invalid == "skip" else None  # reported by the first pass
+        for sample in stream_samples(self.config, StreamStats(), rejects, self.heldout_prompts):
+            chunk.append(sample)
+            if len(chunk) >= self.config.stream.chunk_samples:
+                count()
+                chunk = []
+        count()
+        return available
+
+    def count_rows(self, epoch: int, heldout_sink: list[SFTSample] | None = None) -> int:
+        """The rows of `epoch`, counted by one streaming pass (cached); the first pass fills `report`."""
+        if epoch not in self._counts:
+            stats = StreamStats()
+            self._counts[epoch] = sum(1 for _ in self.iter_rows(epoch, stats, heldout_sink))
+            if not stats.samples:
+                raise DataError("data.train: no training sample left after reading, dedup, decontamination and "
+                                "tokenization")
+            if "epoch" not in self.report:
+                self.report.update(stats.report(), epoch=epoch)
+        return self._counts[epoch]
+
+    def epoch_rows(self, epoch: int) -> RowStream:
+        return RowStream(self, epoch)
+
+    def heldout_rows(self) -> list[Row]:
+        config = self.config
+        return build_epoch(self.heldout, epoch=0, seed=self.seed, max_length=config.max_length, pack=config.pack)
+
+
+def prepare_streaming_sft_data(config: SFTDataConfig, tokenizer: Any, *, seed: int,
+                               rejects_path: Any = None) -> StreamingSFTData:
+    """The streaming counterpart of `prepare_sft_data`: held-out sources are read (and tokenized) here,
+    the train sources are read when the rows are (and once first, to count epoch 0's rows and collect the
+    samples `heldout_fraction` splits off)."""
+    rejects = RejectLog(rejects_path, append=False) if config.on_invalid == "skip" else None
+    try:
+        given = [s for source in config.heldout for s in iter_samples(source, config.on_invalid, rejects)]
+    finally:
+        if rejects is not None:
+            rejects.close()
+    data = StreamingSFTData(config, tokenizer, seed, rejects_path, [], {sample.prompt_text for sample in given})
+    split_off: list[SFTSample] = []
+    data.count_rows(0, heldout_sink=split_off)
+    data.heldout = tokenize_samples(given or split_off, tokenizer, config.max_length, config.reasoning).samples
+    data.report["heldout"] = {"samples": len(data.heldout)}
+    return data

@@ -1,0 +1,126 @@
+"""The streaming SFT pipeline: the same samples as the in-memory one, exact resume, bounded dedup, the mix."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from posttrain.config import SFTDataConfig
+from posttrain.data import BloomFilter, DataError, prepare_sft_data
+from posttrain.data.stream import StreamingSFTData
+from posttrain.models import train_tokenizer
+
+
+def chat(question: str, answer: str, domain: str = "general") -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            "metadata": {"domain": domain}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([f"what is {i}+{i}? {2 * i} word{i}" for i in range(300)], vocab_size=300)
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def documents(rows) -> Counter:
+    found = Counter()
+    for row in rows:
+        start = 0
+        for doc in range(row.num_documents):
+            end = start + row.document_ids.count(doc)
+            found[tuple(row.input_ids[start:end])] += 1
+            start = end
+    return found
+
+
+def config(paths, **data) -> SFTDataConfig:
+    base = {"train": [{"path": str(p)} for p in paths], "max_length": 64,
+            "stream": {"chunk_samples": 16, "mix_buffer": 32, "pack_window": 24}}
+    return SFTDataConfig.model_validate({**base, **data})
+
+
+def test_streaming_yields_the_in_memory_pipelines_samples(tmp_path, tokenizer):
+    records = [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(150)] + [chat("what is 1+1?", "2")] * 3
+    path = write(tmp_path / "train.jsonl", records)
+    memory = prepare_sft_data(config([path]), tokenizer, seed=0)
+    stream = prepare_sft_data(config([path], streaming=True), tokenizer, seed=0)
+    assert isinstance(stream, StreamingSFTData)
+    rows = stream.epoch_rows(0)
+    assert documents(rows[0:None]) == documents(memory.epoch_rows(0))
+    assert stream.report["dedup"]["exact_duplicates"] == memory.report["exact_duplicates"] == 3
+    assert stream.report["read"] == {str(path): 153} and stream.report["samples"] == 150
+    assert all(len(row) <= 64 for row in rows[0:None])
+
+
+def test_streaming_epochs_are_deterministic_and_resume_by_slices(tmp_path, tokenizer):
+    path = write(tmp_path / "train.jsonl", [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(200)])
+    data = prepare_sft_data(config([path], streaming=True), tokenizer, seed=3)
+    every = list(data.iter_rows(1))
+    rows = data.epoch_rows(1)
+    assert len(rows) == len(every) == data.count_rows(1)
+    assert rows[0:4] + rows[4:9] == every[:9]
+    assert rows[2:5] == every[2:5]  # an earlier slice re-streams from the start
+    resumed = data.epoch_rows(1)
+    assert resumed[7:12] == every[7:12]  # a resume at row 7
+    assert [r.input_ids for r in every] != [r.input_ids for r in data.iter_rows(2)]  # another epoch, another order
+
+
+def test_streaming_heldout_fraction_collects_the_split_off_samples(tmp_path, tokenizer):
+    path = write(tmp_path / "train.jsonl", [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(300)])
+    memory = prepare_sft_data(config([path], heldout_fraction=0.2), tokenizer, seed=0)
+    stream = prepare_sft_data(config([path], heldout_fraction=0.2, streaming=True), tokenizer, seed=0)
+    assert len(stream.heldout) == len(memory.heldout) > 30 and stream.report["heldout_split"] == len(memory.heldout)
+    assert documents(stream.heldout_rows()) == documents(memory.heldout_rows())
+
+
+def test_bloom_filter_false_positives_stay_near_the_rate_it_was_sized_for():
+    bloom = BloomFilter(capacity=20_000, error_rate=1e-3)
+    assert sum(not bloom.add(f"item {i}".encode()) for i in range(20_000)) <= 20  # fills up to the rate
+    assert not bloom.add(b"item 7")
+    false_positives = sum(f"other {i}".encode() in bloom for i in range(20_000))
+    assert false_positives <= 3 * 20  # expected ~20 at 1e-3
+    assert bloom.nbytes < 40_000  # ~14.4 bits per item
+
+
+def test_streaming_near_dedup_drops_a_near_copy(tmp_path, tokenizer):
+    text = "the quick brown fox jumps over the lazy dog near the river bank today"
+    records = [chat(text, "yes"), chat(text.replace("today", "today!"), "yes"), chat("something else entirely", "no")]
+    path = write(tmp_path / "train.jsonl", records)
+    data = prepare_sft_data(config([path], streaming=True, max_length=256, dedup={"near": True, "threshold": 0.8}),
+                            tokenizer, seed=0)
+    assert data.report["dedup"]["near_duplicates"] == 1 and data.report["samples"] == 2
+
+
+def test_streaming_mix_follows_the_weights_while_every_group_is_buffered(tmp_path, tokenizer):
+    records = [chat(f"{domain} q{i}", f"{domain}{i}", domain) for i in range(600) for domain in ("a", "b", "c")]
+    path = write(tmp_path / "train.jsonl", records)
+    mix = {"by": ["domain"], "weights": {"a": 3, "b": 1, "c": 0}}
+    data = prepare_sft_data(config([path], streaming=True, pack=False, mix=mix, stream={"mix_buffer": 200}),
+                            tokenizer, seed=0)
+    assert data.report["mixed_out"] == 600
+    assert data.report["mix_rates"] == {"a": 1.5, "b": 0.5, "c": 0.0}
+    rows = data.epoch_rows(0)[0:None]
+    answers = Counter(_answer(tokenizer, row)[0] for row in rows)
+    assert abs(len(rows) - 1200) < 60 and set(answers) == {"a", "b"}
+    assert 0.71 < answers["a"] / len(rows) < 0.79  # the in-memory mix's 75%, in expectation
+    with pytest.raises(DataError, match="no samples in group 'd'"):
+        prepare_sft_data(config([path], streaming=True, mix={"by": ["domain"], "weights": {"d": 1}}), tokenizer,
+                         seed=0)
+
+
+def _answer(tokenizer, row) -> str:
+    return tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask) if m], skip_special_tokens=True)
+
+
+def test_streaming_decontaminates_against_the_eval_set(tmp_path, tokenizer):
+    path = write(tmp_path / "train.jsonl", [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(50)])
+    evals = write(tmp_path / "eval.jsonl", [chat("what is 7+7?", "14")])
+    data = prepare_sft_data(config([path], streaming=True, decontaminate={"against": [{"path": str(evals)}]}),
+                            tokenizer, seed=0)
+    assert data.report["decontaminated"] == 1 and data.report["samples"] == 49
