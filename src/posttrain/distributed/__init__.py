@@ -7,7 +7,7 @@
     torchrun --nproc_per_node 2 -m posttrain sft recipe.yaml
 
 Nothing below this package imports Ray: the rooms it places (rollout engines, sandboxes, the RL step, the SFT
-loop) take a backend or a `DataParallel`/`DataShard` seam and do not know where they run. Ray itself is imported
+loop) take a backend or the `train.DataParallel` seam and do not know where they run. Ray itself is imported
 only when a Ray run starts, so torchrun launches need no Ray. docs/distributed.md has the cluster set-up.
 """
 

@@ -65,8 +65,8 @@ def _row_sharded(tensor: torch.Tensor) -> bool:
 
 
 class TorchDataParallel:
-    """This process's rank in a data-parallel group; implements `train.parallel.DataParallel` (and
-    `rl.step.DataShard`)."""
+    """This process's rank in a data-parallel group; implements `train.parallel.DataParallel`, the seam
+    of the SFT loop and the RL step."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)

@@ -1,7 +1,7 @@
 """The trainer as a group of Ray actors: N ranks, one FSDP-sharded copy of the policy between them.
 
 RL: each `TrainerRank` holds a `rl.trainer.LocalPolicy` over its sharded model with a `TorchDataParallel` as its
-`DataShard`, so a step is the same `rl_update` as in one process (see `rl.step` and `distributed.parallel`).
+`DataParallel`, so a step is the same `rl_update` as in one process (see `rl.step` and `distributed.parallel`).
 After the step the ranks gather the whole weights; rank 0 returns them into Ray's object store, from where the
 engines fetch them (the driver passes the reference on without fetching). `TrainerGroup` is the driver's side,
 a `rl.trainer.PolicyTrainer`: it keeps an unsharded mirror of the policy, refreshed only when something reads it
@@ -71,7 +71,7 @@ class TrainerRank:
         model = prepare_model(load_model(recipe.model, tokenizer, self.device), recipe.model, recipe.runtime)
         reference = make_reference(model, recipe, runtime) if recipe.algorithm.kl_coef > 0 else None
         model = self.parallel.shard_model(model, recipe.cluster.data_parallel)
-        self.policy = LocalPolicy(model, tokenizer, runtime, recipe, shard=self.parallel,
+        self.policy = LocalPolicy(model, tokenizer, runtime, recipe, parallel=self.parallel,
                                   replay_scale=1.0 / self.world_size, reference=reference)
 
     def update(self, batch: tuple[list[Trajectory], list[float], list | None]):

@@ -12,13 +12,12 @@ from posttrain.rl.learned_reward import LearnedReward
 from posttrain.rl.guarding import RunGuard
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
-from posttrain.rl.step import DataShard, UpdateSettings, rl_update
+from posttrain.rl.step import UpdateSettings, rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
 
 __all__ = [
     "BatchProducer",
     "Critic",
-    "DataShard",
     "LearnedReward",
     "LocalPolicy",
     "RLBackend",

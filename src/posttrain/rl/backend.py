@@ -23,10 +23,11 @@ from posttrain.config.rl import RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
 from posttrain.rl.pipeline import RolloutFn, engine_rollout
-from posttrain.rl.step import DataShard, UpdateSettings, rl_update, train_temperature
+from posttrain.rl.step import UpdateSettings, rl_update, train_temperature
 from posttrain.train.forward import selected_logits, target_logprobs
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
+from posttrain.train.parallel import LOCAL, DataParallel
 from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
 
@@ -111,12 +112,12 @@ def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
 class LocalPolicy:
     """The policy, its optimizer and schedule (and the reference, when the KL term is on) in this process.
 
-    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and a `DataShard`."""
+    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and its `DataParallel`."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, runtime: Runtime, recipe: RLRecipe, *,
-                 shard: DataShard | None = None, replay_scale: float = 1.0, reference=None):
+                 parallel: DataParallel = LOCAL, replay_scale: float = 1.0, reference=None):
         self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
-        self.shard, self.replay_scale = shard, replay_scale
+        self.parallel, self.replay_scale = parallel, replay_scale
         if reference is None and recipe.algorithm.kl_coef > 0:
             reference = make_reference(model, recipe, runtime)
         self.reference = reference
@@ -139,10 +140,9 @@ class LocalPolicy:
                                                max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
                                                micro_batch_size=recipe.train.micro_batch_size))
         stats = rl_update(model, self.optimizer, self.scheduler, trajectories, advantages, self.settings,
-                          reference=self.reference, shard=self.shard) if trajectories else {}
+                          reference=self.reference, parallel=self.parallel) if trajectories else {}
         if not trajectories and "guard/replay_loss" in metrics:
-            if self.shard is not None:
-                self.shard.reduce_gradients(model)
+            self.parallel.reduce_gradients(model)
             stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
         metrics.update({f"train/{k}": v for k, v in stats.items()})
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]

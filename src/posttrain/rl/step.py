@@ -15,15 +15,15 @@ A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-ba
 mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
 to the mini-batch's.
 
-Data-parallel ranks (`posttrain.distributed`) pass a `DataShard`: every rank sees the whole batch and computes
-the same normalizers, backpropagates only its share of each mini-batch (the gradients are summed across ranks
-by the sharded model), and the statistics are combined over the ranks, so they equal one process's.
+The data-parallel seam is `posttrain.train.DataParallel`, the one SFT uses (`LOCAL` in one process): every rank
+sees the whole batch and computes the same normalizers, backpropagates only its share of each mini-batch (the
+gradients are summed across ranks), and the statistics are combined over the ranks, so they equal one process's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,31 +37,12 @@ from posttrain.train.policy_loss import (
     per_token_policy_loss,
     truncated_importance_weights,
 )
+from posttrain.train.parallel import LOCAL, DataParallel
 from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
 
 # (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]
 ReferenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class DataShard(Protocol):
-    """One data-parallel rank's part of an update (implemented by `posttrain.distributed`)."""
-
-    def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
-        """This rank's micro-batches of `items`: the same count on every rank, some possibly empty."""
-        ...
-
-    def idle_backward(self, model: torch.nn.Module) -> None:
-        """A pass with no loss for an empty micro-batch, so the ranks' collectives stay in step."""
-        ...
-
-    def all_gather(self, value: Any) -> list[Any]:
-        """`value` of every rank, in rank order."""
-        ...
-
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """After the backward passes of an optimizer step: the ranks' gradients summed on every rank."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -168,10 +149,10 @@ def rl_update(
     settings: UpdateSettings,
     *,
     reference: ReferenceFn | None = None,
-    shard: DataShard | None = None,
+    parallel: DataParallel = LOCAL,
 ) -> dict[str, float]:
     """Train on one batch; returns averaged statistics (loss parts, ratios, gap, entropy, grad norm).
-    With `shard`, this rank trains on its share of the batch (see the module docstring)."""
+    With a data-parallel `parallel`, this rank trains on its share of the batch (see the module docstring)."""
     if not trajectories:
         return {}
     model.train()
@@ -185,7 +166,7 @@ def rl_update(
     for mini in minis:
         if not mini:
             continue
-        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, shard)
+        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, parallel)
         stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
@@ -195,7 +176,7 @@ def rl_update(
 
 def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings,
                           reference: ReferenceFn | None, proximal: dict[int, torch.Tensor] | None,
-                          shard: DataShard | None) -> dict[str, float]:
+                          parallel: DataParallel) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
     config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
     total_tokens = sum(trajectories[i].policy_tokens for i in mini)
@@ -204,13 +185,9 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
     ratio_max, ratio_min = float("-inf"), float("inf")
     trainer_logprobs, behaviour_logprobs = [], []
     size = settings.micro_batch_size
-    if shard is None:
-        chunks = [mini[start : start + size] for start in range(0, len(mini), size)]
-    else:
-        chunks = shard.micro_batches(mini, size)
-    for chunk in chunks:
+    for chunk in parallel.micro_batches(mini, size):
         if not chunk:
-            shard.idle_backward(model)
+            parallel.idle_backward(model)
             continue
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
@@ -259,19 +236,19 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         behaviour_logprobs.append(micro.behaviour)
     trainer_all = torch.cat(trainer_logprobs) if trainer_logprobs else torch.zeros(0)
     behaviour_all = torch.cat(behaviour_logprobs) if behaviour_logprobs else torch.zeros(0)
-    if shard is not None:
-        shard.reduce_gradients(model)
+    parallel.reduce_gradients(model)
+    if parallel.world_size > 1:
         loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
-            shard, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
+            parallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
     out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
     out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens))
     out.update(logprob_gap_stats(trainer_all, behaviour_all))
     return out
 
 
-def _combine_ranks(shard: DataShard, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all):
+def _combine_ranks(parallel: DataParallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all):
     """Every rank's sums and log-probs combined: the statistics one process would compute on the whole batch."""
-    parts = shard.all_gather((loss_total, weighted, ratio_max, ratio_min, trainer_all.cpu(), behaviour_all.cpu()))
+    parts = parallel.all_gather((loss_total, weighted, ratio_max, ratio_min, trainer_all.cpu(), behaviour_all.cpu()))
     summed: dict[str, float] = {}
     for part in parts:
         for key, value in part[1].items():
