@@ -42,16 +42,7 @@ from typing import IO, Any, Callable
 
 from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
-from posttrain.models import (
-    ModelError,
-    latest_checkpoint,
-    load_model,
-    load_tokenizer,
-    load_training_state,
-    restore_rng,
-    save_checkpoint,
-    save_model_dir,
-)
+from posttrain.models import ModelError, load_model, load_tokenizer, save_model_dir
 from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain, whiten
 from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
@@ -72,7 +63,7 @@ from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
-from posttrain.train.step import Runtime, prepare_model, setup_runtime
+from posttrain.train import Runtime, find_checkpoint, prepare_model, restore_training, setup_runtime, write_checkpoint
 from posttrain.types import Task, Trajectory
 
 EPISODES_FILE = "episodes.jsonl"
@@ -181,10 +172,9 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
     policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
-    checkpoint = latest_checkpoint(output_dir) if resume else None
+    checkpoint = find_checkpoint(output_dir, "rl") if resume else None
     if checkpoint is not None:
         cursor, pending = _restore(run, checkpoint)
-        say(f"[rl] resumed from {checkpoint} at step {cursor.step}")
     engine.update_weights(policy.weights(), cursor.step)
 
     tracker = Tracker(output_dir, recipe.tracking, recipe=recipe.model_dump(mode="json"), stage="rl")
@@ -227,7 +217,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             if on_step is not None and on_step(step, metrics):
                 break
         _save(run, cursor)
-        final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer, merge_lora=True)
+        final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer,
+                                   merge_lora=recipe.model.lora.merge_on_save)
         if run.critic is not None:
             run.critic.save(output_dir / "critic")
         final = evaluate(policy.full_model(), cursor.step) if suites else {}
@@ -298,16 +289,17 @@ def _scale_lr(run: _Run) -> None:
 
 
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
-    state = load_training_state(checkpoint)
-    run.policy.load_checkpoint(checkpoint, state)
-    if run.critic is not None:
-        run.critic.load_checkpoint(checkpoint, state)
-    run.sampler.load_state_dict(state["sampler"])
-    if "guard" in state:
-        run.guard.load_state_dict(state["guard"], keep_history=keep_history)
-    if run.guard.lr_scale != 1.0:
-        _scale_lr(run)
-    restore_rng(state["rng"])
+    def restore(state: dict[str, Any]) -> None:
+        run.policy.load_checkpoint(checkpoint, state)  # weights, optimizer and schedule, wherever the policy trains
+        if run.critic is not None:
+            run.critic.load_checkpoint(checkpoint, state)
+        run.sampler.load_state_dict(state["sampler"])
+        if "guard" in state:
+            run.guard.load_state_dict(state["guard"], keep_history=keep_history)
+        if run.guard.lr_scale != 1.0:
+            _scale_lr(run)
+
+    state = restore_training(checkpoint, "rl", restore=restore, announce=not keep_history)
     return _Cursor(**state["cursor"]), [RolloutBatch.from_dict(b) for b in state["pending"]]
 
 
@@ -457,15 +449,14 @@ def sampler_preview(recipe: RLRecipe) -> list[Task]:
 def _save(run: _Run, cursor: _Cursor) -> None:
     # Taken between two batches, so the sampler's state and the pending batches agree.
     pending, sampler_state = run.pipeline.checkpoint_state(lambda: copy.deepcopy(run.sampler.state_dict()))
-    state = {
-        **run.policy.state_dict(), "cursor": vars(cursor).copy(), "sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
-        "guard": copy.deepcopy(run.guard.state_dict()),
-    }
-    extra = None
+    extra_state = {"sampler": sampler_state, "pending": [batch.to_dict() for batch in pending],
+                   "guard": copy.deepcopy(run.guard.state_dict())}
+    write_extra = None
     if run.critic is not None:
-        state["critic"], extra = run.critic.state_dict(), run.critic.save_into_checkpoint
-    save_checkpoint(run.output_dir, cursor.step, run.policy.full_model(), run.tokenizer, state,
-                    keep=run.recipe.train.keep_checkpoints, extra=extra)
+        extra_state["critic"], write_extra = run.critic.state_dict(), run.critic.save_into_checkpoint
+    write_checkpoint(run.output_dir, run.policy.full_model(), run.tokenizer, trainer_state=run.policy.state_dict(),
+                     cursor=vars(cursor).copy(), keep=run.recipe.train.keep_checkpoints, extra_state=extra_state,
+                     write_extra=write_extra)
 
 
 def _log_episodes(handle, batch: RolloutBatch) -> None:

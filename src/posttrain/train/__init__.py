@@ -8,7 +8,7 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 `posttrain.models`, never in a recipe.
 """
 
-from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
+from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
 from posttrain.train.forward import selected_logits, split_head, target_logprobs
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.forward import (
@@ -49,4 +49,5 @@ __all__ = [
     "split_head",
     "target_logprobs",
     "train_loop",
+    "write_checkpoint",
 ]

@@ -15,6 +15,8 @@ dict; its ``step`` names the checkpoint), ``rng`` and ``step``, and each key of 
 head, DPO's held-out figures at step 0, an RL run's scheduler or critic state). `write_extra(directory)` writes
 more files into the checkpoint before it is renamed into place (an RL critic's weights). With a `DataParallel`
 every rank calls `save_training` (the weights and optimizer state are gathered to rank 0, which alone writes).
+RL, whose optimizer lives behind its policy trainer (perhaps a Ray group), writes through `write_checkpoint`
+and restores with `restore_training(..., restore=...)`: the four recipes share one format and one order.
 """
 
 from __future__ import annotations
@@ -49,17 +51,35 @@ def save_training(
     """Write checkpoint `cursor.step` of the run in `output_dir`; its directory (None on ranks other than 0).
 
     `cursor` is a dataclass or a dict with a ``step``; it comes back as a dict from `restore_training`."""
-    clash = RESERVED_KEYS & set(extra_state or {})
-    if clash:
-        raise ValueError(f"save_training: extra_state may not use the reserved keys {sorted(clash)}")
     optimizer_state = parallel.optimizer_state(optimizer)
     whole = parallel.full_model(model)
     if whole is None:  # not rank 0: it took part in gathering the state, rank 0 writes it
         return None
+    trainer_state = {"optimizer": optimizer_state, "scheduler": None if scheduler is None else scheduler.state_dict()}
+    return write_checkpoint(output_dir, whole, tokenizer, trainer_state=trainer_state, cursor=cursor, keep=keep,
+                            extra_state=extra_state, write_extra=write_extra)
+
+
+def write_checkpoint(
+    output_dir: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    trainer_state: dict[str, Any],
+    cursor: Any,
+    keep: int = 2,
+    extra_state: dict[str, Any] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """`save_training` for a loop whose optimizer lives elsewhere (RL's policy trainer, perhaps a Ray group):
+    `model` is the whole model and `trainer_state` its ``{"optimizer": ..., "scheduler": ...}``."""
+    clash = RESERVED_KEYS & set(extra_state or {})
+    if clash:
+        raise ValueError(f"save_training: extra_state may not use the reserved keys {sorted(clash)}")
     cursor_state = dataclasses.asdict(cursor) if dataclasses.is_dataclass(cursor) else dict(cursor)
-    state = {"optimizer": optimizer_state, "scheduler": None if scheduler is None else scheduler.state_dict(),
+    state = {"optimizer": trainer_state["optimizer"], "scheduler": trainer_state.get("scheduler"),
              "cursor": cursor_state, **(extra_state or {})}
-    return save_checkpoint(output_dir, int(cursor_state["step"]), whole, tokenizer, state, keep=keep,
+    return save_checkpoint(output_dir, int(cursor_state["step"]), model, tokenizer, state, keep=keep,
                            extra=write_extra)
 
 
@@ -75,20 +95,27 @@ def restore_training(
     checkpoint: Path,
     stage: str,
     *,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
     model: torch.nn.Module | None = None,
     parallel: DataParallel = LOCAL,
+    restore: Callable[[dict[str, Any]], None] | None = None,
+    announce: bool = True,
 ) -> dict[str, Any]:
     """Restore what `save_training` wrote: the weights into `model` (in place, when given: pass None where they
-    were loaded before sharding), the optimizer, the schedule and the RNG states; returns the training state
-    (``cursor`` and the extras). Called after the optimizer exists, before the first step."""
+    were loaded before sharding), the optimizer, the schedule, then `restore(state)` (what else the recipe keeps:
+    RL's policy trainer, sampler and guard) and last the RNG states; returns the training state (``cursor`` and
+    the extras). Called after the optimizer exists, before the first step."""
     state = load_training_state(checkpoint)
     if model is not None:
         load_weights_from_checkpoint(model, checkpoint)
-    parallel.load_optimizer_state(optimizer, state["optimizer"])
+    if optimizer is not None:
+        parallel.load_optimizer_state(optimizer, state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
+    if restore is not None:
+        restore(state)
     restore_rng(state["rng"])
-    say(f"[{stage}] resumed from {checkpoint} at step {state['cursor']['step']}")
+    if announce:
+        say(f"[{stage}] resumed from {checkpoint} at step {state['cursor']['step']}")
     return state
