@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: everything is local
+    # HF_HUB_OFFLINE is the user's to set: a hub id in model.path is fetched when the hub is reachable.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         import transformers

@@ -130,7 +130,6 @@ def worker_setup(threads: int, imports: list[str]) -> None:
     import torch
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)
     for module in imports:
         importlib.import_module(module)
