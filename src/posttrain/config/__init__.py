@@ -2,6 +2,7 @@
 
     from posttrain.config import load_recipe, SFTRecipe
     recipe = load_recipe("recipe.yaml", ["optim.lr=3e-4"], SFTRecipe)
+    recipe = load_recipe("rl.yaml")   # the schema from the file's `stage:` (every stage is registered here)
 """
 
 from posttrain.config.common import (
@@ -34,6 +35,8 @@ from posttrain.config.eval import (
     GeneratedSuite,
     RegressionSuite,
 )
+from posttrain.config.rl import DomainConfig, RewardTerm, RLRecipe
+from posttrain.config.demo import DemoRecipe  # noqa: I001  (after rl: the demo recipe holds the stage recipes)
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
 from posttrain.config.sft import (
     DataSource,
@@ -54,6 +57,8 @@ __all__ = [
     "DatasetSuite",
     "DecontaminationConfig",
     "DedupConfig",
+    "DemoRecipe",
+    "DomainConfig",
     "EvalCheckpoint",
     "EvalContamination",
     "EvalFreshDraw",
@@ -71,7 +76,9 @@ __all__ = [
     "PreferenceDataConfig",
     "PreferenceTrainConfig",
     "RegressionSuite",
+    "RLRecipe",
     "RMRecipe",
+    "RewardTerm",
     "RewardModelConfig",
     "RuntimeConfig",
     "SFTDataConfig",

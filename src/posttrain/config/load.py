@@ -5,8 +5,12 @@ Errors name where the mistake is and how to fix it, in one line each:
     recipe.yaml:12: unknown key 'train.lrr' (did you mean 'train.lr'?)
     override 'optim.lr=fast': optim.lr: expected a number, got 'fast'
 
-Stage schemas register themselves with `@recipe("sft")`, so `load_recipe(path)` can pick the schema
-from the file's `stage:` key.
+Stage schemas register themselves with `@recipe("sft")`; `posttrain.config` imports every one of them, so
+`load_recipe(path)` can pick the schema from the file's `stage:` key in a library call too.
+
+A recipe's `imports:` (modules or ``.py`` files, relative to the recipe's directory) are made absolute and imported
+once the recipe is valid, before anything else of the run (`posttrain.usercode`): the user's ``@verifier``,
+``@domain``, ``@environment`` and ``@tool`` are registered in this process, and workers import the same list.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from posttrain.types import PosttrainError
+from posttrain.usercode import UserCodeError, import_all, resolve_entry
 
 T = TypeVar("T", bound=BaseModel)
 RECIPES: dict[str, type[BaseModel]] = {}
@@ -68,6 +73,9 @@ def load_recipe(
     for override in overrides or []:
         key_path = _apply_override(data, override)
         override_origin[key_path] = override
+    base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
+    if isinstance(data.get("imports"), list):
+        data["imports"] = [resolve_entry(e, base_dir) if isinstance(e, str) else e for e in data["imports"]]
     if schema is None:
         stage = data.get("stage")
         if stage not in RECIPES:
@@ -75,10 +83,16 @@ def load_recipe(
             raise ConfigError(f"{source}: 'stage' must be one of {known}; got {stage!r}")
         schema = RECIPES[stage]  # type: ignore[assignment]
     try:
-        return schema.model_validate(data)  # type: ignore[union-attr]
+        loaded_recipe = schema.model_validate(data)  # type: ignore[union-attr]
     except ValidationError as error:
         problems = [_describe(item, schema, source, key_lines, override_origin) for item in error.errors()]
         raise ConfigError("; ".join(problems)) from None
+    try:
+        import_all(getattr(loaded_recipe, "imports", []), base_dir)
+    except UserCodeError as error:
+        where = f"{source}:{key_lines[('imports',)]}" if ("imports",) in key_lines else source
+        raise ConfigError(f"{where}: {error}") from None
+    return loaded_recipe
 
 
 def dump_recipe(config: BaseModel) -> str:

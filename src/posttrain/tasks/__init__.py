@@ -15,7 +15,7 @@ from posttrain.tasks import dataset as _dataset  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
 from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
-from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401  (also registers the "repo_tests" verifier)
+from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401
 from posttrain.tasks import safety as _safety  # noqa: F401
 from posttrain.tasks.base import (
     DOMAINS,
