@@ -65,7 +65,7 @@ from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
 from posttrain.rl.pipeline import RolloutBatch, RolloutPipeline
 from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe_event, episode_record, select_trainable
-from posttrain.rl.returns import episode_return
+from posttrain.rl.returns import episode_return, reward_metrics, with_rewards
 from posttrain.rl.rollouts import BatchProducer, sampling_params
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
@@ -73,6 +73,7 @@ from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train.step import Runtime, prepare_model, setup_runtime
 from posttrain.types import Task
+from posttrain.usercode import import_all
 
 EPISODES_FILE = "episodes.jsonl"
 FAILURES_FILE = "failures.jsonl"
@@ -148,6 +149,7 @@ def run_rl_on(
     on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
 ) -> RLResult:
     """`run_rl` on the given backend (`local_backend`, or one of `posttrain.distributed`)."""
+    import_all(recipe.imports)  # a recipe built in code (load_recipe imports them too; a second import is a no-op)
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
@@ -263,7 +265,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
 def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> RolloutPipeline:
     recipe = run.recipe
     produce = BatchProducer(
-        run.backend.rollout, run.sampler,
+        with_rewards(run.backend.rollout, run.recipe), run.sampler,
         prompts_per_step=recipe.rollout.prompts_per_step, sampling=sampling_params(recipe),
         seed=recipe.runtime.seed, dynamic=recipe.schedule.dynamic_sampling, attempt=run.guard.rollbacks,
     )
@@ -391,6 +393,7 @@ def _train_on(run: _Run, batch: RolloutBatch, step: int, replay: list | None = N
         metrics = _ppo_update(run, [t for t, _ in trained_returns], [r for _, r in trained_returns], replay)
     metrics["time/train_s"] = time.perf_counter() - started
     metrics.update(learned_metrics)
+    metrics.update(reward_metrics(usable))
     metrics.update({f"time/{k}": v for k, v in batch.timings.items()})
     metrics.update(batch_metrics(batch.trajectories))
     metrics.update({f"return/{k}": sum(v) / len(v) for k, v in components.items() if v})
