@@ -11,6 +11,9 @@ Stage schemas register themselves with `@recipe("sft")`; `posttrain.config` impo
 A recipe's `imports:` (modules or ``.py`` files, relative to the recipe's directory) are made absolute and imported
 once the recipe is valid, before anything else of the run (`posttrain.usercode`): the user's ``@verifier``,
 ``@domain``, ``@environment`` and ``@tool`` are registered in this process, and workers import the same list.
+
+``${recipe_dir}`` in any string value of the file is replaced by the recipe file's directory (absolute), so a
+recipe can name the data and code that sit beside it (the packaged recipes do) and run from any directory.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def load_recipe(
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: a recipe is a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = _with_recipe_dir(loaded, str(file.resolve().parent))
     override_origin: dict[tuple, str] = {}
     for override in overrides or []:
         key_path = _apply_override(data, override)
@@ -93,6 +96,19 @@ def load_recipe(
         where = f"{source}:{key_lines[('imports',)]}" if ("imports",) in key_lines else source
         raise ConfigError(f"{where}: {error}") from None
     return loaded_recipe
+
+
+RECIPE_DIR = "${recipe_dir}"
+
+
+def _with_recipe_dir(value: Any, directory: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(RECIPE_DIR, directory)
+    if isinstance(value, dict):
+        return {key: _with_recipe_dir(item, directory) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_recipe_dir(item, directory) for item in value]
+    return value
 
 
 def dump_recipe(config: BaseModel) -> str:

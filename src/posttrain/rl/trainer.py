@@ -38,10 +38,8 @@ from typing import Any, Callable
 from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
 from posttrain.models import (
-    ModelError,
     latest_checkpoint,
     load_model,
-    load_tokenizer,
     load_training_state,
     restore_rng,
     save_checkpoint,
@@ -68,6 +66,7 @@ from posttrain.rl.records import batch_metrics, batch_schedule_metrics, describe
 from posttrain.rl.returns import episode_return, reward_metrics, with_rewards
 from posttrain.rl.rollouts import BatchProducer, sampling_params
 from posttrain.rl.selftest import engine_trainer_self_test
+from posttrain.rl.starting_model import starting_tokenizer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
@@ -154,11 +153,9 @@ def run_rl_on(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
-    if recipe.model.path is None:
-        raise ModelError("rl: model.path is required (RL starts from a trained model: run `posttrain sft` first)")
-
-    # Policy, engine(s) with their own copy of the weights, reference (only when the KL term is on).
-    tokenizer = load_tokenizer(recipe.model)
+    # Policy (model.path, or a fresh built-in model: rl.starting_model), engine(s) with their own copy of the
+    # weights, reference (only when the KL term is on).
+    tokenizer = starting_tokenizer(recipe)
     model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     # The critic copies the starting policy before a backend takes the model (and perhaps shards it).
     critic = make_critic(recipe, model, tokenizer, runtime) if recipe.algorithm.advantage == "gae" else None
