@@ -30,8 +30,9 @@ def brevity(completion, task):
 
 
 def _fresh(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": SRC}, timeout=120)
+                          env={**env, "PYTHONPATH": SRC}, timeout=120)
 
 
 def test_a_library_call_loads_an_rl_recipe_and_every_verifier_is_registered(tmp_path):
@@ -96,3 +97,28 @@ def test_function_references(tmp_path):
     assert resolve_function("scoring:brevity", tmp_path)("ab", None) == -2
     with pytest.raises(UserCodeError, match="has no 'shortness' \\(its functions: brevity\\)"):
         resolve_function(f"{tmp_path / 'scoring.py'}:shortness")
+
+
+def test_a_worker_imports_the_recipe_imports(tmp_path):
+    """What every Ray actor runs first (`distributed.cluster.worker_setup`): module names and .py files alike."""
+    (tmp_path / "my_env.py").write_text(USER_FILE.replace("{tag}", "worker"))
+    done = _fresh(f"""
+        import os
+        from posttrain.distributed.cluster import worker_setup
+        from posttrain.verify import list_verifiers
+        worker_setup(1, [{str(tmp_path / 'my_env.py')!r}, "json"])
+        print([v for v in list_verifiers() if v.startswith("shouting")], os.environ.get("HF_HUB_OFFLINE"))
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['shouting_worker'] None"  # and the user's environment is left as it was
+
+
+def test_a_reward_function_beside_the_recipe_is_found_from_anywhere(tmp_path):
+    from posttrain.config import load_recipe
+
+    (tmp_path / "my_rewards.py").write_text("def brevity(completion, task):\n    return 0.0\n")
+    (tmp_path / "rl.yaml").write_text("stage: rl\nrewards:\n  - {function: 'my_rewards:brevity'}\n"
+                                      "  - {function: './my_rewards.py:brevity', name: again}\n"
+                                      "  - {function: 'json:dumps', name: elsewhere}\n")
+    recipe = load_recipe(tmp_path / "rl.yaml")
+    assert [t.function for t in recipe.rewards] == [f"{tmp_path}/my_rewards.py:brevity"] * 2 + ["json:dumps"]

@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from posttrain.types import PosttrainError
-from posttrain.usercode import UserCodeError, import_all, resolve_entry
+from posttrain.usercode import UserCodeError, import_all, is_file_ref, resolve_entry
 
 T = TypeVar("T", bound=BaseModel)
 RECIPES: dict[str, type[BaseModel]] = {}
@@ -79,6 +79,9 @@ def load_recipe(
     base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
     if isinstance(data.get("imports"), list):
         data["imports"] = [resolve_entry(e, base_dir) if isinstance(e, str) else e for e in data["imports"]]
+    for term in data.get("rewards") or [] if isinstance(data.get("rewards"), list) else []:
+        if isinstance(term, dict) and isinstance(term.get("function"), str):
+            term["function"] = _function_beside(term["function"], base_dir)
     if schema is None:
         stage = data.get("stage")
         if stage not in RECIPES:
@@ -99,6 +102,18 @@ def load_recipe(
 
 
 RECIPE_DIR = "${recipe_dir}"
+
+
+def _function_beside(ref: str, base_dir: Path) -> str:
+    """A reward function's `module:function` made absolute when the module is a file beside the recipe, so every
+    process (a Ray worker in another directory too) finds the same file."""
+    module, sep, name = ref.rpartition(":")
+    if not sep or not module:
+        return ref  # the schema reports the malformed reference
+    if is_file_ref(module):
+        return f"{resolve_entry(module, base_dir)}:{name}"
+    beside = base_dir / (module.replace(".", "/") + ".py")
+    return f"{beside}:{name}" if beside.is_file() else ref
 
 
 def _with_recipe_dir(value: Any, directory: str) -> Any:
