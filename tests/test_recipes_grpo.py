@@ -134,3 +134,20 @@ def test_recipes_copy_and_version(tmp_path, capsys, monkeypatch):
     listing = capsys.readouterr().out
     assert all(name in listing for name in TERMS)
     assert "grpo_rewards" not in listing and os.sep + "data" not in listing
+
+
+def test_validate_a_dpo_recipe_and_a_model_directory(tmp_path, capsys, policy_dir):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}],
+                                         "chosen": [{"role": "assistant", "content": str(2 * i)}],
+                                         "rejected": [{"role": "assistant", "content": str(2 * i + 1)}]}) + "\n"
+                             for i in range(30)))
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(f"stage: dpo\nmodel: {{path: {policy_dir}}}\ndata: {{train: [{{path: {pairs}}}], "
+                      "max_length: 64}\ntrain: {batch_size: 8, epochs: 1}\n")
+    assert main(["validate", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {policy_dir} (llama, " in out and "parameters)" in out
+    assert "data: 30 train / 0 held-out preference pairs" in out
+    assert "<|user|>0+0=<|end|><|assistant|>[[0<|end|>]]" in out
+    assert "estimate: 4 steps (batch 8 pairs: 1.00 epochs)" in out
