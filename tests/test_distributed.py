@@ -10,6 +10,7 @@ within 1e-4 after the steps (float sums in another order; Adam turns tiny gradie
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -34,7 +35,9 @@ def ray_cluster():
     """A private 2-CPU Ray instance on loopback; workers import the test domain (`test_digits`, a smooth digit-share
     reward) from tests/test_rl_pipeline.py, as `cluster.worker_imports` says."""
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": {"PYTHONPATH": str(HERE), "TOKENIZERS_PARALLELISM": "false"}})
+             # the checkout's src first: the workers run the code under test, not another installed copy
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
+                                       "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
 

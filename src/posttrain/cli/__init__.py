@@ -1,6 +1,8 @@
 """The `posttrain` command: one subcommand per stage, each running a typed recipe.
 
     posttrain sft recipe.yaml optim.lr=3e-4 [--resume]
+    posttrain validate grpo-math                 # check a recipe, its model and data, without training
+    posttrain recipes grpo-math --copy my-run/   # a packaged recipe with its data, to edit
     posttrain demo
 
 A user's mistake (bad recipe, bad data, missing model) is a one-line error and exit code 2; `--debug`
@@ -30,7 +32,9 @@ STAGES: dict[str, tuple[str, str]] = {
     "data": ("the data flywheel: `data pairs` / `data sft` from verified episodes (a run's episodes.jsonl)",
              "posttrain.cli.stages:data"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
-    "recipes": ("list or print the packaged example recipes", "posttrain.cli.stages:recipes"),
+    "validate": ("check a recipe without training: schema, model and tokenizer, data counts, one rendered "
+                 "sample with its loss mask, estimated steps and tokens", "posttrain.cli.validate:main"),
+    "recipes": ("list, print or copy (--copy DEST) the packaged example recipes", "posttrain.cli.stages:recipes"),
     "serve": ("an OpenAI-compatible HTTP API on a checkpoint (continuous batching)", "posttrain.cli.serving:serve"),
     "chat": ("an interactive terminal chat with a checkpoint", "posttrain.cli.serving:chat"),
     "export": ("a run's model as plain safetensors: LoRA merged, dtype cast", "posttrain.cli.export:main"),
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rewards, agentic RL, evaluation.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors too")
+    parser.add_argument("--version", action="version", version=f"posttrain {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="STAGE")
     for name, (help_text, _) in STAGES.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
@@ -69,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
             add_arguments(sub)
         elif name == "recipes":
             sub.add_argument("name", nargs="?", help="print this recipe (default: list them)")
+            sub.add_argument("--copy", metavar="DEST", default=None,
+                             help="copy the recipe and the files beside it that it names (data, reward code) into "
+                                  "the directory DEST, to edit and run from there")
+        elif name == "validate":
+            sub.add_argument("recipe", help="recipe YAML or a packaged recipe's name")
+            sub.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.max_steps=10")
         elif name in ("serve", "chat"):
             from posttrain.cli.serving import add_arguments
 
@@ -78,6 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")
             sub.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("posttrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from posttrain import __version__
+
+        return __version__
 
 
 def _resolve(target: str) -> Callable[[argparse.Namespace], int | None]:
@@ -109,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub: everything is local
+    # HF_HUB_OFFLINE is the user's to set: a hub id in model.path is fetched when the hub is reachable.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         import transformers
@@ -121,7 +143,7 @@ def _quiet_libraries() -> None:
 
 
 def packaged_recipe(name: str) -> Path:
-    """The path of a packaged recipe by name (`sft-arithmetic` or `sft-arithmetic.yaml`)."""
+    """The path of a packaged recipe by name (`grpo-math` or `grpo-math.yaml`)."""
     root = Path(__file__).resolve().parent.parent / "recipes"
     path = root / (name if name.endswith(".yaml") else f"{name}.yaml")
     if not path.is_file():

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 from pathlib import Path
+
+import yaml
 
 from posttrain.config import DPORecipe, RMRecipe, SFTRecipe, load_recipe
 from posttrain.tracking import say
+from posttrain.types import PosttrainError
 
+_BESIDE = re.compile(r"\$\{recipe_dir\}/([\w./-]+)")  # a file a recipe names beside itself
 
 def recipe_path(name: str) -> Path:
     """A recipe file, or a packaged recipe by name when no such file exists."""
@@ -118,6 +124,13 @@ def data(args: argparse.Namespace) -> int:
 def recipes(args: argparse.Namespace) -> int:
     from posttrain.cli import packaged_recipe
 
+    if args.copy and not args.name:
+        raise PosttrainError("recipes --copy: name the recipe to copy (`posttrain recipes grpo-math --copy DEST`)")
+    if args.name and args.copy:
+        copied = copy_recipe(packaged_recipe(args.name), Path(args.copy))
+        say(f"[recipes] copied {', '.join(str(p) for p in copied)}\n[recipes] run it: posttrain "
+            f"{_stage_of(copied[0])} {copied[0]}")
+        return 0
     if args.name:
         print(packaged_recipe(args.name).read_text(), end="")
         return 0
@@ -126,3 +139,28 @@ def recipes(args: argparse.Namespace) -> int:
         first = path.read_text().splitlines()[0].lstrip("# ").strip()
         print(f"{path.stem:28s} {first}")
     return 0
+
+
+def copy_recipe(recipe: Path, destination: Path) -> list[Path]:
+    """Copy `recipe` and every file it names as ``${recipe_dir}/...`` into the directory `destination`."""
+    if destination.suffix in (".yaml", ".yml") or (destination.exists() and not destination.is_dir()):
+        raise PosttrainError(f"recipes --copy: {destination} must be a directory (the recipe's data goes beside it)")
+    target = destination / recipe.name
+    if target.exists():
+        raise PosttrainError(f"recipes --copy: {target} exists already; choose another directory or remove it")
+    destination.mkdir(parents=True, exist_ok=True)
+    copied = [target]
+    shutil.copyfile(recipe, target)
+    for relative in sorted(set(_BESIDE.findall(recipe.read_text()))):
+        source, out = recipe.parent / relative, destination / relative
+        if not source.is_file():
+            raise PosttrainError(f"{recipe}: names ${{recipe_dir}}/{relative}, which the package lacks")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not out.exists():
+            shutil.copyfile(source, out)
+            copied.append(out)
+    return copied
+
+
+def _stage_of(recipe: Path) -> str:
+    return str((yaml.safe_load(recipe.read_text()) or {}).get("stage", "<stage>"))

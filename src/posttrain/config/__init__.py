@@ -2,6 +2,7 @@
 
     from posttrain.config import load_recipe, SFTRecipe
     recipe = load_recipe("recipe.yaml", ["optim.lr=3e-4"], SFTRecipe)
+    recipe = load_recipe("rl.yaml")   # the schema from the file's `stage:` (every stage is registered here)
 """
 
 from posttrain.config.common import (
@@ -34,8 +35,9 @@ from posttrain.config.eval import (
     GeneratedSuite,
     RegressionSuite,
 )
+from posttrain.config.rl import DomainConfig, RewardModelConfig, RewardTerm, RLRecipe  # registers stage "rl" on import of config
+from posttrain.config.demo import DemoRecipe  # noqa: I001  (after rl: the demo recipe holds the stage recipes)
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
-from posttrain.config.rl import RLRecipe  # registers stage "rl": `load_recipe(path)` needs no other import
 from posttrain.config.sft import (
     DataSource,
     DecontaminationConfig,
@@ -56,6 +58,8 @@ __all__ = [
     "DatasetSuite",
     "DecontaminationConfig",
     "DedupConfig",
+    "DemoRecipe",
+    "DomainConfig",
     "EvalCheckpoint",
     "EvalContamination",
     "EvalFreshDraw",
@@ -76,6 +80,8 @@ __all__ = [
     "RLRecipe",
     "RMRecipe",
     "RMLossConfig",
+    "RewardTerm",
+    "RewardModelConfig",
     "RuntimeConfig",
     "SFTDataConfig",
     "StreamConfig",

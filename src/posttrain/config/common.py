@@ -31,7 +31,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str | None = None  # a local Hugging Face directory; unset = the built-in tiny model
+    path: str | None = None  # a local Hugging Face directory or a hub id (org/name); unset = the built-in tiny model
     preset: Literal["tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m"] = "tiny-3m"
     tokenizer_path: str | None = None  # defaults to `path`, or the built-in tokenizer
     chat_template: str | None = None  # a Jinja template (or a file holding one) to use instead

@@ -63,6 +63,7 @@ class DemoEval(Section):
 @recipe("demo")
 class DemoRecipe(Section):
     stage: Literal["demo"] = "demo"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/demo"
     seed: int = 0
     preset: Literal["tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m"] = "tiny-3m"

@@ -69,6 +69,7 @@ class DPOLossConfig(Section):
 @recipe("dpo")
 class DPORecipe(Section):
     stage: Literal["dpo"] = "dpo"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/dpo"
     model: ModelConfig = ModelConfig()
     data: PreferenceDataConfig = PreferenceDataConfig()
@@ -98,6 +99,7 @@ class RMLossConfig(Section):
 @recipe("rm")
 class RMRecipe(Section):
     stage: Literal["rm"] = "rm"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/rm"
     model: ModelConfig = ModelConfig()
     data: PreferenceDataConfig = PreferenceDataConfig()

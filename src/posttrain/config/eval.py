@@ -157,6 +157,7 @@ class EvalReport(Section):
 @recipe("eval")
 class EvalRecipe(Section):
     stage: Literal["eval"] = "eval"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/eval"
     checkpoints: list[EvalCheckpoint] = Field(min_length=1)
     suites: EvalSuites = EvalSuites()

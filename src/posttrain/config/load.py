@@ -5,8 +5,15 @@ Errors name where the mistake is and how to fix it, in one line each:
     recipe.yaml:12: unknown key 'train.lrr' (did you mean 'train.lr'?)
     override 'optim.lr=fast': optim.lr: expected a number, got 'fast'
 
-Stage schemas register themselves with `@recipe("sft")`, so `load_recipe(path)` can pick the schema
-from the file's `stage:` key.
+Stage schemas register themselves with `@recipe("sft")`; `posttrain.config` imports every one of them, so
+`load_recipe(path)` can pick the schema from the file's `stage:` key in a library call too.
+
+A recipe's `imports:` (modules or ``.py`` files, relative to the recipe's directory) are made absolute and imported
+once the recipe is valid, before anything else of the run (`posttrain.usercode`): the user's ``@verifier``,
+``@domain``, ``@environment`` and ``@tool`` are registered in this process, and workers import the same list.
+
+``${recipe_dir}`` in any string value of the file is replaced by the recipe file's directory (absolute), so a
+recipe can name the data and code that sit beside it (the packaged recipes do) and run from any directory.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from posttrain.types import PosttrainError
+from posttrain.usercode import UserCodeError, import_all, is_file_ref, resolve_entry
 
 T = TypeVar("T", bound=BaseModel)
 RECIPES: dict[str, type[BaseModel]] = {}
@@ -63,11 +71,17 @@ def load_recipe(
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: a recipe is a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = _with_recipe_dir(loaded, str(file.resolve().parent))
     override_origin: dict[tuple, str] = {}
     for override in overrides or []:
         key_path = _apply_override(data, override)
         override_origin[key_path] = override
+    base_dir = Path(path).resolve().parent if path is not None else Path.cwd()
+    if isinstance(data.get("imports"), list):
+        data["imports"] = [resolve_entry(e, base_dir) if isinstance(e, str) else e for e in data["imports"]]
+    for term in data.get("rewards") or [] if isinstance(data.get("rewards"), list) else []:
+        if isinstance(term, dict) and isinstance(term.get("function"), str):
+            term["function"] = _function_beside(term["function"], base_dir)
     if schema is None:
         stage = data.get("stage")
         if stage not in RECIPES:
@@ -75,10 +89,41 @@ def load_recipe(
             raise ConfigError(f"{source}: 'stage' must be one of {known}; got {stage!r}")
         schema = RECIPES[stage]  # type: ignore[assignment]
     try:
-        return schema.model_validate(data)  # type: ignore[union-attr]
+        loaded_recipe = schema.model_validate(data)  # type: ignore[union-attr]
     except ValidationError as error:
         problems = [_describe(item, schema, source, key_lines, override_origin) for item in error.errors()]
         raise ConfigError("; ".join(problems)) from None
+    try:
+        import_all(getattr(loaded_recipe, "imports", []), base_dir)
+    except UserCodeError as error:
+        where = f"{source}:{key_lines[('imports',)]}" if ("imports",) in key_lines else source
+        raise ConfigError(f"{where}: {error}") from None
+    return loaded_recipe
+
+
+RECIPE_DIR = "${recipe_dir}"
+
+
+def _function_beside(ref: str, base_dir: Path) -> str:
+    """A reward function's `module:function` made absolute when the module is a file beside the recipe, so every
+    process (a Ray worker in another directory too) finds the same file."""
+    module, sep, name = ref.rpartition(":")
+    if not sep or not module:
+        return ref  # the schema reports the malformed reference
+    if is_file_ref(module):
+        return f"{resolve_entry(module, base_dir)}:{name}"
+    beside = base_dir / (module.replace(".", "/") + ".py")
+    return f"{beside}:{name}" if beside.is_file() else ref
+
+
+def _with_recipe_dir(value: Any, directory: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(RECIPE_DIR, directory)
+    if isinstance(value, dict):
+        return {key: _with_recipe_dir(item, directory) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_recipe_dir(item, directory) for item in value]
+    return value
 
 
 def dump_recipe(config: BaseModel) -> str:

@@ -21,6 +21,36 @@ from posttrain.config.eval import RegressionSuite
 from posttrain.config.load import recipe
 
 
+class RewardTerm(Section):
+    """One term of the RL reward (TRL's reward functions): a function of your own or a registered verifier.
+
+    ``function: "my_rewards:brevity"`` (or ``"./file.py:name"``) is called as ``fn(completion, task)`` (sync or
+    async) and returns a float; ``verifier: math`` runs that verifier with ``args`` (default: the task's own
+    verifier arguments); ``verifier: task`` is the task's own verifier, whatever it is. The episode's score is
+    ``sum(weight * term)`` (posttrain.verify.rewards); each term is logged as ``reward/<name>``.
+    """
+
+    function: str | None = None
+    verifier: str | None = None
+    args: dict[str, Any] | None = None  # verifier terms: its arguments (unset = the task's verifier_args)
+    weight: float = 1.0
+    name: str | None = None  # the logged name; default the function's or the verifier's name
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.function is None) == (self.verifier is None):
+            raise ValueError("a reward term takes exactly one of function: 'module:function' or verifier: NAME")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(f"function: expected 'module:function' or 'file.py:function', got {self.function!r}")
+        if self.function is not None and self.args is not None:
+            raise ValueError("args: only a verifier term takes args (a function gets the completion and the task)")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.function.rpartition(":")[2] if self.function else str(self.verifier))
+
+
 class DomainConfig(Section):
     """One task domain in the RL mix."""
 
@@ -278,12 +308,16 @@ class ScheduleConfig(Section):
 @recipe("rl")
 class RLRecipe(Section):
     stage: Literal["rl"] = "rl"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/rl"
     model: ModelConfig = ModelConfig()
     domains: list[DomainConfig] = [DomainConfig(name="arithmetic", levels=[2])]
     rollout: RolloutConfig = RolloutConfig()
     algorithm: PolicyLossConfig = PolicyLossConfig()
     returns: ReturnConfig = ReturnConfig()
+    # the reward as terms (functions of your own, verifiers) summed with their weights; empty: each task's own
+    # verifier alone
+    rewards: list[RewardTerm] = []
     reward_model: RewardModelConfig | None = None  # a learned reward component beside the verifiers
     critic: CriticConfig = CriticConfig()  # used by algorithm.advantage: gae
     pipeline: PipelineConfig = PipelineConfig()
@@ -316,6 +350,9 @@ class RLRecipe(Section):
         if "critic" in self.model_fields_set and self.algorithm.advantage != "gae":
             raise ValueError(f"critic: the critic is used only with algorithm.advantage: gae "
                              f"(it is '{self.algorithm.advantage}'): set it, or drop the critic section")
+        labels = [term.label for term in self.rewards]
+        if len(labels) != len(set(labels)):
+            raise ValueError(f"rewards: each term needs its own name (set name:), got {labels}")
         clash = {suite.name for suite in self.schedule.guard.suites} & set(names)
         if clash:
             raise ValueError(f"schedule.guard.suites: names {sorted(clash)} are domain names (held-out suites)")

@@ -141,6 +141,7 @@ class SFTTrainConfig(Section):
 @recipe("sft")
 class SFTRecipe(Section):
     stage: Literal["sft"] = "sft"
+    imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/sft"
     model: ModelConfig = ModelConfig()
     data: SFTDataConfig = SFTDataConfig()

@@ -124,13 +124,12 @@ def _nodes(ray) -> str:
 
 
 def worker_setup(threads: int, imports: list[str]) -> None:
-    """What every posttrain actor does first: its torch thread budget, and the user's registrations."""
-    import importlib
-
+    """What every posttrain actor does first: its torch thread budget, and the user's registrations (modules or
+    .py files: `posttrain.usercode`; `cluster.worker_imports` and the recipe's `imports:`)."""
     import torch
 
+    from posttrain.usercode import import_all
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)
-    for module in imports:
-        importlib.import_module(module)
+    import_all(imports)

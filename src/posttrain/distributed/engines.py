@@ -32,7 +32,7 @@ class RolloutWorker:
 
     def __init__(self, recipe: RLRecipe, sandbox_workers: list[Any] | None = None):
         cluster = recipe.cluster
-        worker_setup(cluster.rollout.threads, cluster.worker_imports)
+        worker_setup(cluster.rollout.threads, [*cluster.worker_imports, *recipe.imports])
         if sandbox_workers:
             from posttrain.distributed.sandbox import RaySandboxPool, install_default_pool
 

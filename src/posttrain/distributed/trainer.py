@@ -37,8 +37,8 @@ ROLE = "trainer ranks"
 class TrainerRank:
     """One rank (see the module docstring)."""
 
-    def __init__(self, rank: int, world_size: int, cluster: ClusterConfig):
-        worker_setup(cluster.trainer.threads, cluster.worker_imports)
+    def __init__(self, rank: int, world_size: int, cluster: ClusterConfig, imports: list[str] | None = None):
+        worker_setup(cluster.trainer.threads, [*cluster.worker_imports, *(imports or [])])
         self.rank, self.world_size, self.cluster = rank, world_size, cluster
         self.device = torch.device("cuda" if cluster.trainer.num_gpus else "cpu")
         self.parallel = None
@@ -112,13 +112,14 @@ class TrainerRank:
         return result if self.rank == 0 else None
 
 
-def start_ranks(cluster: ClusterConfig, placement: Placement, name_prefix: str = "posttrain") -> list[Any]:
+def start_ranks(cluster: ClusterConfig, placement: Placement, name_prefix: str = "posttrain",
+                imports: list[str] | None = None) -> list[Any]:
     ray = import_ray()
     actor = ray.remote(TrainerRank)
     # No restarts: a restarted rank could not rejoin its group mid-step; the run stops and resumes instead.
     return [actor.options(name=f"{name_prefix}-trainer-{rank}", max_restarts=0,
                           **placement.options(ROLE, rank, cluster.trainer)).remote(rank, cluster.num_trainer_workers,
-                                                                                   cluster)
+                                                                                   cluster, imports)
             for rank in range(cluster.num_trainer_workers)]
 
 
@@ -142,7 +143,7 @@ class TrainerGroup:
                  name_prefix: str = "posttrain", extra_metrics: Callable[[], dict[str, float]] | None = None):
         self._ray = import_ray()
         self.recipe, self.model = recipe, mirror
-        self.ranks = start_ranks(recipe.cluster, placement, name_prefix)
+        self.ranks = start_ranks(recipe.cluster, placement, name_prefix, recipe.imports)
         self._extra_metrics = extra_metrics
         self._state_ref: Any = None  # rank 0's whole weights after the last step (not fetched here)
         self._mirror_stale = False
@@ -226,7 +227,7 @@ def run_sft_group(recipe: SFTRecipe, *, resume: bool = False, on_step=None, name
     ray = import_ray()
     cluster = recipe.cluster
     placement = Placement(cluster, [Role(ROLE, cluster.num_trainer_workers, cluster.trainer)])
-    ranks = start_ranks(cluster, placement, name_prefix)
+    ranks = start_ranks(cluster, placement, name_prefix, recipe.imports)
     try:
         init_method = wait_all(ray, [ranks[0].init_method.remote()], "start-up")[0]
         results = wait_all(ray, [rank.run_sft.remote(recipe, init_method, resume, on_step) for rank in ranks], "sft")

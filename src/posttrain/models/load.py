@@ -1,12 +1,17 @@
 """Load a model and tokenizer: any local Hugging Face causal LM directory, or the built-in tiny model.
 
-No model hub: a path that is not a local directory is an error. A tokenizer without a chat template is an
-error that says how to supply one (`model.chat_template`), since every stage renders chats.
+`model.path` (and `model.tokenizer_path`) is a local directory or a Hugging Face hub id (``org/name``). A hub id
+is fetched from the hub when it is reachable, or read from the local hub cache (``HF_HOME``) when the user has set
+``HF_HUB_OFFLINE=1`` themselves; posttrain never sets it. A hub id that can be neither fetched nor found in the
+cache is a one-line `ModelError` naming the id and the fix. A tokenizer without a chat template is an error that
+says how to supply one (`model.chat_template`), since every stage renders chats.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -56,11 +61,12 @@ def load_tokenizer(config: ModelConfig, corpus: Iterable[str] | None = None) -> 
             raise ModelError("the built-in tokenizer is trained on the run's text: pass a corpus, or set model.path")
         tokenizer = train_tokenizer(corpus)
     else:
-        _require_dir(location, "model.tokenizer_path" if config.tokenizer_path else "model.path")
+        key = "model.tokenizer_path" if config.tokenizer_path else "model.path"
+        _require_dir_or_hub_id(location, key)
         try:
             tokenizer = AutoTokenizer.from_pretrained(location)
         except (OSError, ValueError) as error:
-            raise ModelError(f"{location}: could not load a tokenizer ({error})") from None
+            raise _load_error(location, key, "could not load a tokenizer", error) from None
     if config.chat_template:
         template = Path(config.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else config.chat_template
@@ -85,11 +91,11 @@ def load_model(
     if config.path is None:
         model = build_tiny_model(config.preset, tokenizer, seed=config.seed).to(dtype)
     else:
-        _require_dir(config.path, "model.path")
+        _require_dir_or_hub_id(config.path, "model.path")
         try:
             AutoConfig.from_pretrained(config.path)
         except (OSError, ValueError) as error:
-            raise ModelError(f"{config.path}: not a Hugging Face model directory ({error})") from None
+            raise _load_error(config.path, "model.path", "not a Hugging Face model directory", error) from None
         model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(
@@ -144,6 +150,40 @@ def _register_varlen() -> None:
     AttentionMaskInterface.register(VARLEN, varlen_mask(sdpa_mask))
 
 
-def _require_dir(location: str, key: str) -> None:
-    if not Path(location).is_dir():
-        raise ModelError(f"{key}: '{location}' is not a local directory (models load from local paths only)")
+# A hub repository id: "name" or "org/name" of letters, digits, '-', '_', '.' (no path separators beyond one '/').
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+def is_hub_id(location: str) -> bool:
+    """Whether `location` reads as a hub id rather than a path (it is not a local directory, nor path-shaped)."""
+    return not Path(location).exists() and not location.startswith((".", "~")) and bool(_HUB_ID.match(location))
+
+
+def hub_offline() -> bool:
+    """Whether the user asked for offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set to a true value)."""
+    return any(os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _require_dir_or_hub_id(location: str, key: str) -> None:
+    if Path(location).is_dir() or is_hub_id(location):
+        return
+    raise ModelError(f"{key}: '{location}' is not a local directory, nor a hub id (org/name)")
+
+
+def _load_error(location: str, key: str, problem: str, error: Exception) -> ModelError:
+    """One line for a load that failed: for a hub id, whether the hub was off or unreachable, and the fix."""
+    if Path(location).is_dir():
+        return ModelError(f"{location}: {problem} ({_first_line(error)})")
+    if hub_offline():
+        return ModelError(f"{key}: '{location}' is no local directory, and as a hub id it is not in the local hub cache "
+                          "(HF_HOME) while HF_HUB_OFFLINE is set: "
+                          f"download it first (`hf download {location}`), unset HF_HUB_OFFLINE, or set {key} "
+                          "to a local directory")
+    return ModelError(f"{key}: could not fetch '{location}' from the Hugging Face hub ({_first_line(error)}): "
+                      f"check the id and the network, or set {key} to a local directory")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

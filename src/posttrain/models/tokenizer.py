@@ -67,6 +67,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
         additional_special_tokens=list(ROLE_TOKENS.values()),
         model_max_length=4096,
         padding_side="left",
+        # No token_type_ids: decoders take none (transformers 4.x's generate rejects them when a tokenizer adds them).
+        model_input_names=["input_ids", "attention_mask"],
     )
     # Non-special added tokens: single ids, but not stripped by `skip_special_tokens`.
     wrapped.add_tokens(ADDED_TOKENS)

@@ -5,7 +5,15 @@ the forgetting guard and the recipe that runs them (`posttrain rl`; docs/rl.md; 
     result = run_rl(load_recipe("rl.yaml", schema=RLRecipe))
 """
 
-from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain
+from posttrain.rl.advantages import (
+    compute_advantages,
+    episode_return,
+    gae_advantages,
+    normalize_per_domain,
+    reward_metrics,
+    reward_terms,
+    with_rewards,
+)
 from posttrain.rl.backend import LocalPolicy, RLBackend, engine_state, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
@@ -36,7 +44,10 @@ __all__ = [
     "local_backend",
     "make_critic",
     "normalize_per_domain",
+    "reward_metrics",
+    "reward_terms",
     "rl_update",
     "run_rl",
     "run_rl_on",
+    "with_rewards",
 ]

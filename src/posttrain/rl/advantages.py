@@ -15,6 +15,10 @@ recipe asks for), then its advantage (group-relative estimators, or per-token GA
 Every component is returned by name so the trainer logs them separately; what the model is trained on
 is their sum. `overlong: mask` instead removes truncated episodes from the loss (see `rl.step`).
 
+With the recipe's `rewards:` (functions of the user's own and verifiers, `posttrain.verify.rewards`) the outcome
+is their weighted sum, judged in the episode; `with_rewards` puts the terms on every task the rollout function
+gets, and `reward_metrics` reports each term as ``reward/<name>`` (its mean raw value over the scored episodes).
+
 **Advantages** for outcome rewards (one scalar return per sampled sequence).
 
 Sequences sampled for the same prompt form a group (`group_ids`). With r the rewards of a group of n:
@@ -52,12 +56,13 @@ batch, r -> (r - mean_domain) / (std_domain + eps).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from posttrain.config.rl import ReturnConfig
-from posttrain.types import Trajectory
+from posttrain.config.rl import ReturnConfig, RLRecipe
+from posttrain.types import Task, Trajectory
+from posttrain.verify.rewards import check_terms, with_reward_terms
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "batch_norm"]
 EPS = 1e-6
@@ -180,3 +185,46 @@ def whiten(advantages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(advantages)
     mean, std = flat.mean(), flat.std(unbiased=True)
     return [(a - mean) / (std + EPS) for a in advantages]
+
+
+# ---- the recipe's reward terms (`rewards:`) --------------------------------------------------------------
+
+
+def reward_terms(recipe: RLRecipe) -> list[dict[str, Any]]:
+    """The recipe's `rewards:` as the plain dicts a task carries (checked: functions import, verifiers exist)."""
+    terms = []
+    for term in recipe.rewards:
+        entry: dict[str, Any] = {"name": term.label, "weight": term.weight}
+        entry.update({"function": term.function} if term.function else {"verifier": term.verifier,
+                                                                        "args": term.args})
+        terms.append(entry)
+    check_terms(terms)
+    return terms
+
+
+RolloutFn = Callable[[list[Task], Any], list[Trajectory]]
+
+
+def with_rewards(rollout: RolloutFn, recipe: RLRecipe) -> RolloutFn:
+    """`rollout` judging every task by the recipe's reward terms (unchanged when it has none)."""
+    terms = reward_terms(recipe)
+    if not terms:
+        return rollout
+
+    def run(tasks: list[Task], sampling: Any) -> list[Trajectory]:
+        return rollout([with_reward_terms(task, terms) for task in tasks], sampling)
+
+    return run
+
+
+def reward_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``reward/<term>``: the mean raw value of each reward term over the episodes that were scored."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for trajectory in trajectories:
+        weights = trajectory.reward.details.get("weights")
+        if trajectory.reward.is_infrastructure_failure or not isinstance(weights, dict):
+            continue
+        for name in weights:
+            if name in trajectory.reward.components:
+                values[name].append(float(trajectory.reward.components[name]))
+    return {f"reward/{name}": sum(v) / len(v) for name, v in values.items() if v}

@@ -1,7 +1,7 @@
 """A learned reward component of the RL return: a reward model (`posttrain rm`, or any one-label
 `AutoModelForSequenceClassification`) beside the verifiers.
 
-    return = outcome (the verifier's score) + weight * r_RM(token ids) + the other parts of `rl.returns`
+    return = outcome (the verifier's score) + weight * r_RM(token ids) + the other parts of `rl.advantages`
 
 The reward model scores exactly the token ids the policy saw and produced — `Trajectory.token_ids`, the prompt,
 the completion and (agentic episodes) the observations between turns, never re-tokenized text — at the last

@@ -42,8 +42,16 @@ from typing import IO, Any, Callable
 
 from posttrain.config import ConfigError, dump_recipe
 from posttrain.config.rl import RLRecipe
-from posttrain.models import ModelError, load_model, load_tokenizer, save_model_dir
-from posttrain.rl.advantages import compute_advantages, episode_return, gae_advantages, normalize_per_domain, whiten
+from posttrain.models import load_model, save_model_dir
+from posttrain.rl.advantages import (
+    compute_advantages,
+    episode_return,
+    gae_advantages,
+    normalize_per_domain,
+    reward_metrics,
+    whiten,
+    with_rewards,
+)
 from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
@@ -60,11 +68,13 @@ from posttrain.rl.pipeline import (
 )
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.selftest import engine_trainer_self_test
+from posttrain.rl.starting_model import starting_tokenizer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train import Runtime, find_checkpoint, prepare_model, restore_training, setup_runtime, write_checkpoint
 from posttrain.types import Task, Trajectory
+from posttrain.usercode import import_all
 
 EPISODES_FILE = "episodes.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
@@ -140,15 +150,14 @@ def run_rl_on(
     on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
 ) -> RLResult:
     """`run_rl` on the given backend (`local_backend`, or one of `posttrain.distributed`)."""
+    import_all(recipe.imports)  # a recipe built in code (load_recipe imports them too; a second import is a no-op)
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
-    if recipe.model.path is None:
-        raise ModelError("rl: model.path is required (RL starts from a trained model: run `posttrain sft` first)")
-
-    # Policy, engine(s) with their own copy of the weights, reference (only when the KL term is on).
-    tokenizer = load_tokenizer(recipe.model)
+    # Policy (model.path, or a fresh built-in model: rl.starting_model), engine(s) with their own copy of the
+    # weights, reference (only when the KL term is on).
+    tokenizer = starting_tokenizer(recipe)
     model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     # The critic copies the starting policy before a backend takes the model (and perhaps shards it).
     critic = make_critic(recipe, model, tokenizer, runtime) if recipe.algorithm.advantage == "gae" else None
@@ -237,7 +246,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
 def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> RolloutPipeline:
     recipe = run.recipe
     produce = BatchProducer(
-        run.backend.rollout, run.sampler,
+        with_rewards(run.backend.rollout, run.recipe), run.sampler,
         prompts_per_step=recipe.rollout.prompts_per_step, sampling=sampling_params(recipe),
         seed=recipe.runtime.seed, dynamic=recipe.schedule.dynamic_sampling, attempt=run.guard.rollbacks,
     )
@@ -357,6 +366,7 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     replay = run.guard.replay_batch(step)
     trajectories, counts = select_trainable(batch.trajectories, step, recipe)
     metrics = run.learned_reward.annotate(trajectories) if run.learned_reward is not None else {}
+    metrics.update(reward_metrics(trajectories))  # each of the recipe's `rewards:` terms, by name
 
     # returns
     returns, components = _returns(run, trajectories)

@@ -4,8 +4,9 @@
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
 Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
-``long_doc_qa``, ``dataset`` (a JSONL file or saved Hugging Face dataset) and ``reasoning_gym/<name>`` (every
-generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
+``long_doc_qa``, ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
+(a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
+``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
 """
 
 from posttrain.tasks import arithmetic as _arithmetic  # noqa: F401  (each import registers its domain)
@@ -15,8 +16,9 @@ from posttrain.tasks import dataset as _dataset  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
 from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
-from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401  (also registers the "repo_tests" verifier)
+from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401
 from posttrain.tasks import safety as _safety  # noqa: F401
+from posttrain.tasks import task_file as _task_file  # noqa: F401
 from posttrain.tasks.base import (
     DOMAINS,
     Domain,

@@ -34,7 +34,6 @@ ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
 DEFAULT_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 
 
-@domain("dataset")
 class DatasetDomain:
     def __init__(
         self,
@@ -158,6 +157,17 @@ class DatasetDomain:
             raise TaskError(f"{where}: field '{self.level_field}' must hold a level >= 1, "
                             f"got {record[self.level_field]!r}")
         return int(match.group())
+
+
+@domain("dataset")
+def dataset_domain(**kwargs: Any) -> Any:
+    """The ``dataset`` domain; with ``kind`` (math, code, structured, format) a file of tasks of that kind (the
+    ``tasks`` domain, `posttrain.tasks.task_file`), so an eval dataset suite reads code problems too."""
+    if "kind" in kwargs:
+        from posttrain.tasks.task_file import TaskFileDomain
+
+        return TaskFileDomain(**kwargs)
+    return DatasetDomain(**kwargs)
 
 
 def last_boxed(text: str) -> str | None:

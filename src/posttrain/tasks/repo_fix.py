@@ -27,10 +27,8 @@ from typing import Any, Callable
 
 from posttrain.data import SFTSample
 from posttrain.envs import tool_schemas
-from posttrain.envs.testing import RUNNER_NAME
 from posttrain.tasks.base import TaskError, demo_conversation, domain, task_id, tool_call_message, tool_result_message
-from posttrain.types import FailureClass, Reward, Task
-from posttrain.verify import verifier, verify_code
+from posttrain.types import Task
 
 TOOLS = ["list_files", "read_file", "write_file", "run_tests"]
 TEST_FILE = "tests/test_project.py"
@@ -470,48 +468,3 @@ def _check(rng: random.Random, family: _Family, function: _Function, params: dic
         expected = reference(*json.loads(json.dumps(args)))
         cases.append({"args": args, "expected": expected})
     return {"file": function.path, "function": function.name, "cases": cases}
-
-
-# --------------------------------------------------------------------------------------------------
-# The verifier: hidden function cases on the final workspace
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_repo_args(checks: Any = None, **_: Any) -> None:
-    from posttrain.verify import VerifyError, parse_tests
-
-    if not isinstance(checks, list) or not checks:
-        raise VerifyError("verifier 'repo_tests': checks must be a non-empty list of {file, function, cases}")
-    for check in checks:
-        if not isinstance(check, dict) or not isinstance(check.get("file"), str):
-            raise VerifyError("verifier 'repo_tests': each check needs a 'file' (the module's path)")
-        parse_tests({"function": check.get("function"), "cases": check.get("cases")})
-
-
-@verifier("repo_tests", check=_check_repo_args)
-def verify_repo_tests(completion: str, checks: list[dict[str, Any]], *, timeout_s: float = 4.0,
-                      final_state: dict[str, Any] | None = None) -> Reward:
-    """1 if every hidden case of every check passes on the final workspace's files, else 0.
-
-    Each check runs through the ``code`` verifier with the module as ``solution_file`` and the workspace shipped
-    into the jail, so the module's imports of its siblings resolve. What the agent said is not read at all.
-    """
-    files = (final_state or {}).get("files")
-    if not isinstance(files, dict):
-        return Reward(0.0, False, FailureClass.FORMAT, details={"reason": "no_workspace_in_final_state"})
-    state = {"files": {path: content for path, content in files.items() if path != RUNNER_NAME}}
-    results: dict[str, Any] = {}
-    passed = 0
-    for check in checks:
-        tests = {"function": check["function"], "cases": check["cases"]}
-        reward = verify_code("", tests, solution_file=check["file"], timeout_s=timeout_s, final_state=state)
-        if reward.is_infrastructure_failure:
-            return reward
-        results[f"{check['file']}:{check['function']}"] = {"score": reward.score,
-                                                          "reason": reward.details.get("reason")}
-        passed += reward.passed
-    details = {"checks": results, "checks_passed": passed, "checks_total": len(checks)}
-    if passed == len(checks):
-        return Reward(1.0, True, details=details)
-    missing = any(check["file"] not in files for check in checks)
-    return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={**details, "missing_files": missing})

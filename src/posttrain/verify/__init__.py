@@ -4,9 +4,10 @@
     reward = verify(task, completion_or_trajectory, final_state)   # dispatches on task.verifier
     verify_math("... so the answer is \\\\boxed{\\\\frac{1}{2}}", "0.5").score      # 1.0
 
-Registered verifiers: ``math``, ``code``, ``structured``, ``format``, ``exact``, ``reasoning_gym`` and
-``combined``; register your own with ``@verifier("name")``. A verifier never trusts what the model says about
-itself, gives 0 (with a failure class) to anything it cannot judge, and reports its own infrastructure failures
+Registered verifiers (all of them on ``import posttrain.verify``): ``math``, ``code``, ``structured``, ``format``,
+``exact``, ``refusal``, ``reasoning_gym``, ``repo_tests`` and ``combined``; register your own with
+``@verifier("name")`` (and name its module in a recipe's ``imports:``). A verifier never trusts what the model says
+about itself, gives 0 (with a failure class) to anything it cannot judge, and reports its own infrastructure failures
 as ``FailureClass.SANDBOX``/``INFRA`` so they are retried instead of learned from. See docs/verifiers.md.
 """
 
@@ -32,6 +33,7 @@ from posttrain.verify.registry import (
     verifier,
     verify,
 )
+from posttrain.verify.repo_tests import verify_repo_tests
 from posttrain.verify.structured import verify_structured
 
 __all__ = [
@@ -64,5 +66,6 @@ __all__ = [
     "verify_math",
     "verify_reasoning_gym",
     "verify_refusal",
+    "verify_repo_tests",
     "verify_structured",
 ]

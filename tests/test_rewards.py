@@ -1,0 +1,119 @@
+"""Reward functions the TRL way: a user's `(completion, task) -> float` (sync or async) summed with verifiers,
+each term reported by name; a function that raises is an infrastructure failure with its traceback, never a 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from test_envs_scripted import ScriptedEngine
+
+from posttrain.config import ConfigError, RLRecipe, load_recipe
+from posttrain.envs import run_episodes
+from posttrain.rl import reward_metrics, reward_terms, with_rewards
+from posttrain.types import FailureClass, SamplingParams, Task
+from posttrain.verify.rewards import REWARD_TERMS_KEY, judge_terms, with_reward_terms
+
+END = "<|end|>"
+REWARDS = '''
+import asyncio
+
+calls = []
+
+
+def brevity(completion, task):
+    calls.append(task.id)
+    return -len(completion) / 100
+
+
+async def polite(completion, task):
+    await asyncio.sleep(0)
+    return 1.0 if "please" in completion else 0.0
+
+
+def broken(completion, task):
+    return {"score": 1}[completion]  # a KeyError: the user's bug
+
+
+def not_a_number(completion, task):
+    return "high"
+'''
+
+
+@pytest.fixture()
+def rewards_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(REWARDS)
+    return str(path)
+
+
+def _task(reference: str = "42") -> Task:
+    return Task(id="t1", domain="math", messages=[{"role": "user", "content": "6*7?"}], verifier="math",
+                verifier_args={"reference": reference})
+
+
+def _terms(rewards_file: str, *functions: tuple[str, float]) -> list[dict]:
+    recipe = RLRecipe(rewards=[{"verifier": "math", "weight": 1.0},
+                               *({"function": f"{rewards_file}:{name}", "weight": w} for name, w in functions)])
+    return reward_terms(recipe)
+
+
+def test_functions_and_verifiers_sum_with_their_weights(rewards_file):
+    task = with_reward_terms(_task(), _terms(rewards_file, ("brevity", 0.2), ("polite", 0.5)))
+    completion = "please: \\boxed{42}"
+    reward = asyncio.run(judge_terms(task, completion))
+    assert reward.passed and reward.failure == FailureClass.NONE
+    assert reward.components == {"math": 1.0, "brevity": -len(completion) / 100, "polite": 1.0}
+    assert reward.score == pytest.approx(1.0 + 0.2 * (-len(completion) / 100) + 0.5)
+    wrong = asyncio.run(judge_terms(task, "\\boxed{41}"))
+    assert not wrong.passed and wrong.failure == FailureClass.WRONG_ANSWER
+    assert wrong.score == pytest.approx(0.2 * (-len("\\boxed{41}") / 100))
+
+
+@pytest.mark.parametrize("name, message", [("broken", "KeyError"), ("not_a_number", "returned 'high', not a number")])
+def test_a_failing_function_is_an_infrastructure_failure_with_its_traceback(rewards_file, caplog, name, message):
+    task = with_reward_terms(_task(), _terms(rewards_file, (name, 1.0)))
+    with caplog.at_level(logging.ERROR, logger="posttrain.verify.rewards"):
+        reward = asyncio.run(judge_terms(task, "\\boxed{42}"))
+    assert reward.failure == FailureClass.INFRA and reward.is_infrastructure_failure and reward.score == 0.0
+    detail = reward.details[name]
+    assert message in detail["error"] and "Traceback" in detail["traceback"]
+    assert any(f"reward function {rewards_file}:{name} failed" in r.message for r in caplog.records)
+
+
+def test_episodes_are_judged_by_the_terms_and_a_broken_function_is_retried_not_scored(tiny_tokenizer, rewards_file):
+    tasks = [_task()]
+    good = with_rewards(lambda ts, s: run_episodes(ScriptedEngine(tiny_tokenizer, ["\\boxed{42}" + END]), ts,
+                                                   tiny_tokenizer, s, n=2, infra_retries=1),
+                        RLRecipe(rewards=[{"verifier": "task"}, {"function": f"{rewards_file}:brevity",
+                                                                 "weight": 0.5, "name": "short"}]))
+    trajectories = good(tasks, SamplingParams(max_new_tokens=16))
+    assert all(t.reward.passed and set(t.reward.components) == {"task", "short"} for t in trajectories)
+    assert tasks[0].metadata == {}  # the sampler's task is not changed
+    metrics = reward_metrics(trajectories)
+    assert metrics["reward/task"] == 1.0 and metrics["reward/short"] == pytest.approx(-0.1)
+
+    bad = with_rewards(lambda ts, s: run_episodes(ScriptedEngine(tiny_tokenizer, ["\\boxed{42}" + END]), ts,
+                                                  tiny_tokenizer, s, n=1, infra_retries=1),
+                       RLRecipe(rewards=[{"function": f"{rewards_file}:broken"}]))
+    [failed] = bad(tasks, SamplingParams(max_new_tokens=16))
+    assert failed.reward.is_infrastructure_failure and failed.metadata["attempts"] == 2
+    assert reward_metrics([failed]) == {}
+
+
+def test_recipe_errors(tmp_path, rewards_file):
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text("stage: rl\nrewards:\n  - {function: brevity}\n")
+    with pytest.raises(ConfigError, match="rl.yaml:3: .*'module:function'"):
+        load_recipe(recipe)
+    recipe.write_text("stage: rl\nrewards:\n  - {function: 'a:b', verifier: math}\n")
+    with pytest.raises(ConfigError, match="exactly one of"):
+        load_recipe(recipe)
+    recipe.write_text(f"stage: rl\nrewards:\n  - {{verifier: math}}\n  - {{function: '{rewards_file}:nope'}}\n")
+    with pytest.raises(Exception, match="has no 'nope'"):
+        reward_terms(load_recipe(recipe))
+    task = _task()
+    with pytest.raises(Exception, match="verifier 'code'"):
+        with_reward_terms(task, [{"name": "code", "weight": 1.0, "verifier": "code", "args": None}])
+    assert REWARD_TERMS_KEY not in task.metadata
