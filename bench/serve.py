@@ -1,6 +1,7 @@
 """Served vs offline: 64 concurrent streaming chat clients against `posttrain serve`, on tiny-3m.
 
     .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto] [--threads N]
+                                    [--stream-interval SECONDS]
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
 (`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn beside it). Per repeat, in turn:
@@ -124,12 +125,14 @@ def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> 
     return tokens, time.perf_counter() - started, ttfts
 
 
-def start_server(checkpoint: Path, port: int, precision: str, threads: int | None) -> subprocess.Popen:
+def start_server(checkpoint: Path, port: int, precision: str, threads: int | None,
+                 stream_interval: float) -> subprocess.Popen:
     source = Path(__file__).resolve().parent.parent / "src"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--model-name", MODEL,
-         "--precision", precision, *(["--threads", str(threads)] if threads else [])],
+         "--precision", precision, "--stream-interval", str(stream_interval),
+         *(["--threads", str(threads)] if threads else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     banner = process.stdout.readline()
     if "127.0.0.1" not in banner:
@@ -146,6 +149,8 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
+    parser.add_argument("--stream-interval", type=float, default=0.0,
+                        help="the server's --stream-interval (seconds between a request's stream chunks at least)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -160,7 +165,7 @@ def main() -> None:
             encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
         port = free_port()
-        server = start_server(checkpoint, port, args.precision, args.threads)
+        server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval)
         clients = Clients(f"http://127.0.0.1:{port}")
         try:
             for _ in range(2):  # warm-up: every client's connection, the server's first requests and steps
@@ -178,8 +183,9 @@ def main() -> None:
                     else:
                         tokens, seconds = offline(engine, prompt_ids, args.max_tokens)
                         offline_rates.append(tokens / seconds)
-                print(f"repeat {repeat} (load {os.getloadavg()[0]:.1f}): served {served_rates[-1]:,.0f} tok/s, offline {offline_rates[-1]:,.0f} "
-                      f"tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
+                print(f"repeat {repeat} (load {os.getloadavg()[0]:.1f}): served {served_rates[-1]:,.0f} tok/s, "
+                      f"offline {offline_rates[-1]:,.0f} tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms "
+                      f"p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
         finally:
             clients.close()
             server.terminate()
@@ -190,7 +196,8 @@ def main() -> None:
     served_rate, offline_rate = statistics.median(served_rates), statistics.median(offline_rates)
     result = {
         "bench": "serve", "model": MODEL, "clients": args.clients, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "precision": args.precision, "threads": torch.get_num_threads(),
+        "repeats": args.repeats, "precision": args.precision,
+        "stream_interval_s": args.stream_interval, "threads": torch.get_num_threads(),
         "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
         "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
