@@ -125,6 +125,18 @@ def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> 
     return tokens, time.perf_counter() - started, ttfts
 
 
+def server_ttft(url: str) -> tuple[float, int]:
+    """The server's own time-to-first-token sum and count (submitted to first token sampled, from /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(
+        "posttrain_time_to_first_token_seconds_"))
+    return (float(values.get("posttrain_time_to_first_token_seconds_sum", 0)),
+            int(float(values.get("posttrain_time_to_first_token_seconds_count", 0))))
+
+
 def start_server(checkpoint: Path, port: int, precision: str, threads: int | None,
                  stream_interval: float) -> subprocess.Popen:
     source = Path(__file__).resolve().parent.parent / "src"
@@ -166,17 +178,21 @@ def main() -> None:
             prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
         port = free_port()
         server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval)
-        clients = Clients(f"http://127.0.0.1:{port}")
+        url = f"http://127.0.0.1:{port}"
+        clients = Clients(url)
         try:
             for _ in range(2):  # warm-up: every client's connection, the server's first requests and steps
                 clients.run(prompts, 4)
             offline(engine, prompt_ids, 4)
-            served_rates, offline_rates, ttft50, ttft95 = [], [], [], []
+            served_rates, offline_rates, ttft50, ttft95, inside = [], [], [], [], []
             for repeat in range(args.repeats):
                 order = ("served", "offline") if repeat % 2 == 0 else ("offline", "served")
                 for side in order:
                     if side == "served":
+                        before = server_ttft(url)
                         tokens, seconds, ttfts = clients.run(prompts, args.max_tokens)
+                        after = server_ttft(url)
+                        inside.append((after[0] - before[0]) / max(1, after[1] - before[1]))
                         served_rates.append(tokens / seconds)
                         ttft50.append(percentile(ttfts, 0.5))
                         ttft95.append(percentile(ttfts, 0.95))
@@ -201,6 +217,7 @@ def main() -> None:
         "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
         "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
+        "server_ttft_mean_ms": round(statistics.median(inside) * 1000, 1),
         "baseline_tokens_per_s": round(base_tokens / base_seconds, 1),
         "baseline_ttft_p50_ms": round(percentile(base_ttfts, 0.5) * 1000, 1),
         "baseline_ttft_p95_ms": round(percentile(base_ttfts, 0.95) * 1000, 1),
