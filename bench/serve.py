@@ -10,7 +10,8 @@ One random-init tiny-3m checkpoint is saved to a temporary directory and served 
   1, request i seeded with i; completion tokens/s over the wall time from the first request sent to the last
   stream closed, and each request's time to first token (its first content chunk). The clients run in this
   process, not the server's (they never hold the server's GIL; they do share the machine's cores), and keep
-  their connections open across runs: two untimed warm-up rounds of all clients open them first;
+  their connections open across runs: two untimed warm-up rounds of all clients open them first. The server's
+  own mean time to first token (submitted to first token sampled, from its /metrics) is reported beside it;
 * offline: the same engine (`HFEngine` loaded from the same checkpoint, in this process) generating the same
   prompts in one ``generate`` call with the same per-request seeds — so both sides sample the same tokens;
 * baseline: transformers' ``model.generate`` on the same model, one request at a time (what a server without
