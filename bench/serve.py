@@ -1,14 +1,17 @@
 """Served vs offline: 64 concurrent streaming chat clients against `posttrain serve`, on tiny-3m.
 
     .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto] [--threads N]
+                                    [--stream-interval SECONDS]
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
 (`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn beside it). Per repeat, in turn:
 
-* served: ``--clients`` concurrent streaming chat requests from the official `openai` async client (in this
-  process, on the same cores as the server), temperature 1, request i seeded with i; completion tokens/s over
-  the wall time from the first request sent to the last stream closed, and each request's time to first token
-  (its first content chunk);
+* served: ``--clients`` concurrent streaming chat requests from the official `openai` async client, temperature
+  1, request i seeded with i; completion tokens/s over the wall time from the first request sent to the last
+  stream closed, and each request's time to first token (its first content chunk). The clients run in this
+  process, not the server's (they never hold the server's GIL; they do share the machine's cores), and keep
+  their connections open across runs: two untimed warm-up rounds of all clients open them first. The server's
+  own mean time to first token (submitted to first token sampled, from its /metrics) is reported beside it;
 * offline: the same engine (`HFEngine` loaded from the same checkpoint, in this process) generating the same
   prompts in one ``generate`` call with the same per-request seeds — so both sides sample the same tokens;
 * baseline: transformers' ``model.generate`` on the same model, one request at a time (what a server without
@@ -59,13 +62,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def served(url: str, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
-    import openai
+class Clients:
+    """`count` concurrent streaming chat clients: one `openai.AsyncOpenAI` (its connection pool kept open across
+    runs, so a timed run does not pay for connecting) on one event loop, in this process — not the server's."""
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    def __init__(self, url: str):
+        import openai
 
-    async def one(index: int, messages: list[dict], started: float) -> tuple[int, float]:
-        stream = await client.chat.completions.create(
+        self.loop = asyncio.new_event_loop()
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def _one(self, index: int, messages: list[dict], max_tokens: int, started: float) -> tuple[int, float]:
+        stream = await self.client.chat.completions.create(
             model=MODEL, messages=messages, temperature=1.0, seed=index, max_tokens=max_tokens, stream=True,
             stream_options={"include_usage": True})
         first, tokens = None, 0
@@ -76,11 +84,18 @@ async def served(url: str, prompts: list[list[dict]], max_tokens: int) -> tuple[
                 tokens = chunk.usage.completion_tokens
         return tokens, first if first is not None else time.perf_counter() - started
 
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(i, m, started) for i, m in enumerate(prompts)))
-    seconds = time.perf_counter() - started
-    await client.close()
-    return sum(t for t, _ in results), seconds, [f for _, f in results]
+    async def _all(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(self._one(i, m, max_tokens, started) for i, m in enumerate(prompts)))
+        return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+    def run(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+        """Completion tokens, wall seconds (first request sent to last stream closed), per-request TTFTs."""
+        return self.loop.run_until_complete(self._all(prompts, max_tokens))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
 
 
 def offline(engine, prompt_ids: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -111,12 +126,26 @@ def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> 
     return tokens, time.perf_counter() - started, ttfts
 
 
-def start_server(checkpoint: Path, port: int, precision: str, threads: int | None) -> subprocess.Popen:
+def server_ttft(url: str) -> tuple[float, int]:
+    """The server's own time-to-first-token sum and count (submitted to first token sampled, from /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(
+        "posttrain_time_to_first_token_seconds_"))
+    return (float(values.get("posttrain_time_to_first_token_seconds_sum", 0)),
+            int(float(values.get("posttrain_time_to_first_token_seconds_count", 0))))
+
+
+def start_server(checkpoint: Path, port: int, precision: str, threads: int | None,
+                 stream_interval: float) -> subprocess.Popen:
     source = Path(__file__).resolve().parent.parent / "src"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--model-name", MODEL,
-         "--precision", precision, *(["--threads", str(threads)] if threads else [])],
+         "--precision", precision, "--stream-interval", str(stream_interval),
+         *(["--threads", str(threads)] if threads else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     banner = process.stdout.readline()
     if "127.0.0.1" not in banner:
@@ -133,10 +162,13 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
+    parser.add_argument("--stream-interval", type=float, default=0.0,
+                        help="the server's --stream-interval (seconds between a request's stream chunks at least)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    loads = [os.getloadavg()[0]]  # the machine is shared: the load the figures were measured at
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = make_checkpoint(Path(scratch) / MODEL)
         engine = load_engine(checkpoint, precision=args.precision, num_threads=args.threads)
@@ -146,26 +178,33 @@ def main() -> None:
             encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
         port = free_port()
-        server = start_server(checkpoint, port, args.precision, args.threads)
+        server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval)
         url = f"http://127.0.0.1:{port}"
+        clients = Clients(url)
         try:
-            asyncio.run(served(url, prompts[:4], 4))  # warm-up: first requests, first decode steps
-            offline(engine, prompt_ids[:4], 4)
-            served_rates, offline_rates, ttft50, ttft95 = [], [], [], []
+            for _ in range(2):  # warm-up: every client's connection, the server's first requests and steps
+                clients.run(prompts, 4)
+            offline(engine, prompt_ids, 4)
+            served_rates, offline_rates, ttft50, ttft95, inside = [], [], [], [], []
             for repeat in range(args.repeats):
                 order = ("served", "offline") if repeat % 2 == 0 else ("offline", "served")
                 for side in order:
                     if side == "served":
-                        tokens, seconds, ttfts = asyncio.run(served(url, prompts, args.max_tokens))
+                        before = server_ttft(url)
+                        tokens, seconds, ttfts = clients.run(prompts, args.max_tokens)
+                        after = server_ttft(url)
+                        inside.append((after[0] - before[0]) / max(1, after[1] - before[1]))
                         served_rates.append(tokens / seconds)
                         ttft50.append(percentile(ttfts, 0.5))
                         ttft95.append(percentile(ttfts, 0.95))
                     else:
                         tokens, seconds = offline(engine, prompt_ids, args.max_tokens)
                         offline_rates.append(tokens / seconds)
-                print(f"repeat {repeat}: served {served_rates[-1]:,.0f} tok/s, offline {offline_rates[-1]:,.0f} "
-                      f"tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
+                print(f"repeat {repeat} (load {os.getloadavg()[0]:.1f}): served {served_rates[-1]:,.0f} tok/s, "
+                      f"offline {offline_rates[-1]:,.0f} tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms "
+                      f"p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
         finally:
+            clients.close()
             server.terminate()
             server.wait(timeout=30)
         base_tokens, base_seconds, base_ttfts = baseline(engine.model, engine.tokenizer, prompt_ids,
@@ -174,14 +213,17 @@ def main() -> None:
     served_rate, offline_rate = statistics.median(served_rates), statistics.median(offline_rates)
     result = {
         "bench": "serve", "model": MODEL, "clients": args.clients, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "precision": args.precision, "threads": torch.get_num_threads(),
+        "repeats": args.repeats, "precision": args.precision,
+        "stream_interval_s": args.stream_interval, "threads": torch.get_num_threads(),
         "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
         "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
+        "server_ttft_mean_ms": round(statistics.median(inside) * 1000, 1),
         "baseline_tokens_per_s": round(base_tokens / base_seconds, 1),
         "baseline_ttft_p50_ms": round(percentile(base_ttfts, 0.5) * 1000, 1),
         "baseline_ttft_p95_ms": round(percentile(base_ttfts, 0.95) * 1000, 1),
         "served_over_baseline": round(served_rate / (base_tokens / base_seconds), 2),
+        "load_avg_1m": [round(load, 1) for load in loads] + [round(os.getloadavg()[0], 1)],
         "ratio": round(served_rate / offline_rate, 3),
     }
     print(json.dumps(result))

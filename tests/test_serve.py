@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from posttrain.rollout.continuous import ContinuousBatcher
+from posttrain.rollout.continuous import ContinuousBatcher, StreamRequest
 from posttrain.serve import HFBackend, free_port, make_backend, start_server
 from posttrain.types import GenerationRequest, SamplingParams
 from serve_support import ANSWER, CALCULATOR, QUESTION, train_tool_model
@@ -319,3 +319,24 @@ def test_the_serve_command_requires_its_api_key(checkpoint):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_stream_wake_ups_are_coalesced_to_the_interval():
+    from posttrain.serve.backends import _Signals
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        signals = _Signals(interval_s=0.3)
+        request = StreamRequest([1, 2], SamplingParams(max_new_tokens=4))
+        event = signals.open(request)
+        await asyncio.to_thread(signals.notify, [request])  # the first step: woken at once
+        await asyncio.sleep(0.05)
+        first = event.is_set()
+        event.clear()
+        for _ in range(3):  # three more steps within the interval: one wake-up, when the interval is over
+            await asyncio.to_thread(signals.notify, [request])
+        await asyncio.sleep(0.1)
+        held = not event.is_set()
+        await asyncio.sleep(0.4)
+        return first, held, event.is_set()
+
+    assert asyncio.run(scenario()) == (True, True, True)

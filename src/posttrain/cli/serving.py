@@ -21,6 +21,8 @@ def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
         sub.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
         sub.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together at most")
+        sub.add_argument("--stream-interval", type=float, default=0.0,
+                         help="seconds between two stream chunks of a request at least (0: every decode step)")
     else:
         sub.add_argument("--system", default=None, help="system prompt")
         sub.add_argument("--temperature", type=float, default=0.7)
@@ -37,7 +39,10 @@ def serve(args: argparse.Namespace) -> int:
 
     options = {"device": args.device, "precision": args.precision, "num_threads": args.threads,
                "max_batch_size": args.max_batch_size}
-    backend = make_backend(args.checkpoint, args.engine, **(options if args.engine == "hf" else {}))
+    if args.engine == "hf":
+        backend = make_backend(args.checkpoint, "hf", stream_interval_s=args.stream_interval, **options)
+    else:
+        backend = make_backend(args.checkpoint, args.engine)
     name = args.model_name or Path(args.checkpoint).resolve().name
     run(backend, name, host=args.host, port=args.port, api_key=args.api_key,
         ready=lambda url: print(f"[serve] {name} at {url}/v1 (Ctrl-C stops)", flush=True))

@@ -25,6 +25,9 @@ from posttrain.types import GenerationRequest
 
 Disconnected = Callable[[], Awaitable[bool]]
 _POLL_S = 0.25  # how often a non-streaming request checks whether its client is still there
+# The least time between two wake-ups of the HTTP side for new tokens (`_Signals`; ``--stream-interval``). 0:
+# every step's tokens are streamed as soon as the loop is free (docs/serve.md has the measured trade-off).
+STREAM_INTERVAL_S = 0.0
 
 
 class Backend(Protocol):
@@ -47,11 +50,22 @@ class Backend(Protocol):
 
 
 class _Signals:
-    """Per request an asyncio.Event on the server's loop, set from the engine's thread."""
+    """Per request an asyncio.Event on the server's loop, set from the engine's thread.
 
-    def __init__(self) -> None:
+    Wake-ups are coalesced: the loop is woken at most once per `interval_s`; steps in between only add their
+    requests to the pending set (no wake-up of the loop, no GIL handoff to the HTTP thread), and the next
+    flush sets them all, so a stream's chunk carries every token since its last one. Fewer, larger chunks:
+    less SSE work in the server and less parsing in the clients, for at most `interval_s` more latency.
+    """
+
+    def __init__(self, interval_s: float = 0.0) -> None:
+        self.interval_s = interval_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.events: dict[int, asyncio.Event] = {}
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()
+        self._armed = False  # a flush is scheduled on the loop: later steps need not wake it
+        self._last = float("-inf")  # loop time of the last flush
 
     def open(self, request: StreamRequest) -> asyncio.Event:
         self.loop = asyncio.get_running_loop()
@@ -63,11 +77,30 @@ class _Signals:
         self.events.pop(id(request), None)
 
     def notify(self, requests: list[StreamRequest]) -> None:
-        """Called on the engine's thread: one wake-up for all `requests`."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._set, [id(r) for r in requests])
+        """Called on the engine's thread: at most one wake-up of the loop per interval for all requests."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        with self._lock:
+            self._pending.update(id(r) for r in requests)
+            if self._armed:
+                return
+            self._armed = True
+        loop.call_soon_threadsafe(self._arm)
 
-    def _set(self, keys: list[int]) -> None:
+    def _arm(self) -> None:
+        assert self.loop is not None
+        wait = self._last + self.interval_s - self.loop.time()
+        if wait > 0:
+            self.loop.call_later(wait, self._flush)
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self.loop is not None
+        with self._lock:
+            keys, self._pending, self._armed = self._pending, set(), False
+        self._last = self.loop.time()
         for key in keys:
             event = self.events.get(key)
             if event is not None:
@@ -105,11 +138,11 @@ async def _follow(request: StreamRequest, signal: asyncio.Event, cancel: Callabl
 class HFBackend:
     """The built-in engine with continuous batching; see the module docstring."""
 
-    def __init__(self, batcher: ContinuousBatcher):
+    def __init__(self, batcher: ContinuousBatcher, *, stream_interval_s: float = STREAM_INTERVAL_S):
         self.batcher = batcher
         self.tokenizer = batcher.engine.tokenizer
         self.max_length = batcher.engine.max_length
-        self._signals = _Signals()
+        self._signals = _Signals(stream_interval_s)
         batcher.on_step = self._signals.notify
 
     @property

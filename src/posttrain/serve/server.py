@@ -20,7 +20,7 @@ from typing import Any, Literal
 import uvicorn
 
 from posttrain.serve.app import create_app
-from posttrain.serve.backends import HFBackend, VLLMBackend
+from posttrain.serve.backends import STREAM_INTERVAL_S, HFBackend, VLLMBackend
 from posttrain.serve.errors import ServeError
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,14 @@ def load_engine(checkpoint: str | Path, *, device: str = "auto", precision: str 
                     num_threads=num_threads)
 
 
-def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", **options: Any) -> Any:
-    """The backend for ``--engine``: `HFBackend` (continuous batching) or `VLLMBackend` (untested here)."""
+def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *,
+                 stream_interval_s: float = STREAM_INTERVAL_S, **options: Any) -> Any:
+    """The backend for ``--engine``: `HFBackend` (continuous batching) or `VLLMBackend` (untested here).
+    `stream_interval_s`: the least time between two stream chunks of a request (hf; `HFBackend`)."""
     if engine == "hf":
         from posttrain.rollout.continuous import ContinuousBatcher
 
-        return HFBackend(ContinuousBatcher(load_engine(checkpoint, **options)))
+        return HFBackend(ContinuousBatcher(load_engine(checkpoint, **options)), stream_interval_s=stream_interval_s)
     if engine == "vllm":
         from transformers import AutoConfig
 
