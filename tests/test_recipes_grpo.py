@@ -18,7 +18,8 @@ FAST = ["train.max_steps=1", "rollout.prompts_per_step=2", "rollout.sampling.gro
         "rollout.sampling.max_new_tokens=16", "model.preset=tiny-1m", "runtime.num_threads=1"]
 TERMS = {"grpo-math": {"correct", "brevity"}, "grpo-code": {"tests", "brevity"},
          "grpo-agent": {"correct", "tool_use"}}
-VERIFIER = {"grpo-math": "math", "grpo-code": "code", "grpo-agent": "exact"}
+# The verifier term of each recipe (the other term is a reward function) and the verifier that judges it.
+VERIFIER = {"grpo-math": ("correct", "math"), "grpo-code": ("tests", "code"), "grpo-agent": ("correct", "exact")}
 
 
 def _records(path: Path) -> list[dict]:
@@ -32,8 +33,8 @@ def _check_run(name: str, output: Path, steps: int) -> list[dict]:
         assert all(f"reward/{term}" in m for m in metrics if "reward/mean" in m), term  # each term logged
     episodes = _records(output / "episodes.jsonl")
     assert episodes and all(set(e["details"]["weights"]) == TERMS[name] for e in episodes)
-    judged = [e["details"][next(iter(TERMS[name]))] for e in episodes]
-    assert all(d.get("verifier") == VERIFIER[name] for d in judged)
+    term, verifier = VERIFIER[name]
+    assert all(e["details"][term].get("verifier") == verifier for e in episodes)
     assert (output / "final" / "config.json").is_file()
     return episodes
 
