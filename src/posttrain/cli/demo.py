@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from posttrain.config import load_recipe
-from posttrain.config.demo import DemoRecipe
+from posttrain.config import DemoRecipe, load_recipe
 
 QUICK = [  # `--quick`: a few-minute smoke run of every stage
     "sft.train.max_minutes=1.5",

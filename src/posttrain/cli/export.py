@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from posttrain.models.export import export_model
+    from posttrain.models import export_model
 
     destination = export_model(args.run_dir, args.dest, dtype=args.dtype)
     say(f"[export] {args.run_dir} -> {destination}" + (f" ({args.dtype})" if args.dtype else ""))

@@ -51,7 +51,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     from posttrain.serve import load_engine
-    from posttrain.serve.chat import ChatSettings, run_chat
+    from posttrain.serve import ChatSettings, run_chat
 
     engine = load_engine(args.checkpoint, device=args.device, precision=args.precision, num_threads=args.threads)
     settings = ChatSettings(system=args.system, temperature=args.temperature, top_p=args.top_p,

@@ -44,7 +44,7 @@ def sft(args: argparse.Namespace) -> int:
 
 def dpo(args: argparse.Namespace) -> int:
     from posttrain.tracking import say
-    from posttrain.train.dpo import run_dpo
+    from posttrain.train import run_dpo
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, DPORecipe)
     result = run_dpo(recipe, resume=args.resume)
@@ -59,7 +59,7 @@ def dpo(args: argparse.Namespace) -> int:
 
 def rm(args: argparse.Namespace) -> int:
     from posttrain.tracking import say
-    from posttrain.train.reward_model import run_rm
+    from posttrain.train import run_rm
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RMRecipe)
     result = run_rm(recipe, resume=args.resume)
@@ -80,7 +80,7 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
 
 
 def rl(args: argparse.Namespace) -> int:
-    from posttrain.config.rl import RLRecipe
+    from posttrain.config import RLRecipe
     from posttrain.distributed import run_rl  # local unless cluster.backend: ray
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RLRecipe)
@@ -95,7 +95,7 @@ def evaluate(args: argparse.Namespace) -> int:
     """`posttrain eval recipe.yaml`: exit code 1 when a regression suite falls below its floor."""
     from posttrain.config import EvalRecipe
     from posttrain.evaluate import evaluate as run_evaluation
-    from posttrain.evaluate.console import print_results
+    from posttrain.evaluate import print_results
     from posttrain.tracking import say
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, EvalRecipe)
@@ -106,7 +106,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def data(args: argparse.Namespace) -> int:
-    from posttrain.data.flywheel import episodes_to_pairs, episodes_to_sft, read_episodes, write_records
+    from posttrain.data import episodes_to_pairs, episodes_to_sft, read_episodes, write_records
     from posttrain.tracking import say
 
     episodes = read_episodes(args.episodes)

@@ -117,7 +117,7 @@ def _sft(recipe: Any) -> None:
 
 
 def _pairs(recipe: Any) -> None:
-    from posttrain.data.preference import load_preference_data, pair_texts, tokenize_pairs
+    from posttrain.data import load_preference_data, pair_texts, tokenize_pairs
     from posttrain.models import load_tokenizer
 
     _describe_model(recipe.model)
@@ -139,7 +139,7 @@ def _pairs(recipe: Any) -> None:
 
 
 def _rl(recipe: Any) -> None:
-    from posttrain.rl.starting_model import starting_tokenizer
+    from posttrain.rl import starting_tokenizer
     from posttrain.tasks import get_domain, sample_tasks
 
     _describe_model(recipe.model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from posttrain.data.flywheel import episodes_to_pairs, write_records
+from posttrain.data import episodes_to_pairs, write_records
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 from posttrain.tasks import get_domain, sample_tasks
@@ -23,7 +23,7 @@ PAIRS_FILE = "dpo_pairs.jsonl"
 @demo_stage("dpo")
 def dpo(run: DemoRun) -> dict[str, Any]:
     from posttrain.rl import episode_record
-    from posttrain.train.dpo import run_dpo
+    from posttrain.train import run_dpo
 
     started = time.perf_counter()
     policy = run.model_after("sft")

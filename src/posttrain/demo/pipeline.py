@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from posttrain.config import DataSource
-from posttrain.config.demo import DemoRecipe
+from posttrain.config import DataSource, DemoRecipe
 from posttrain.tracking import console, say
 
 SUMMARY = "summary.json"

@@ -17,7 +17,7 @@ from posttrain.demo.sft import evaluate_stage
 
 @demo_stage("rl")
 def rl(run: DemoRun) -> dict[str, Any]:
-    from posttrain.rl.trainer import run_rl
+    from posttrain.rl import run_rl
 
     started_from, policy = run.latest_policy(("dpo", "sft"))
     recipe = run.recipe.rl.model_copy(deep=True)
@@ -33,7 +33,7 @@ def rl(run: DemoRun) -> dict[str, Any]:
 
 @demo_stage("sft_control")
 def sft_control(run: DemoRun) -> dict[str, Any]:
-    from posttrain.train.sft import run_sft
+    from posttrain.train import run_sft
 
     rl_seconds = run.summary["stages"].get("rl", {}).get("seconds")
     if rl_seconds is None:

@@ -12,7 +12,7 @@ from posttrain.demo.pipeline import DemoRun, demo_stage, source
 
 @demo_stage("sft")
 def sft(run: DemoRun) -> dict[str, Any]:
-    from posttrain.train.sft import run_sft
+    from posttrain.train import run_sft
 
     recipe = run.recipe.sft.model_copy(deep=True)
     recipe.output_dir = str(run.root / "sft")

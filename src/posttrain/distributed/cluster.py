@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from posttrain.config.common import ActorResources, ClusterConfig
+from posttrain.config import ActorResources, ClusterConfig
 from posttrain.distributed.errors import DistributedError, PlacementError
 
 

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from posttrain.config.rl import RLRecipe
+from posttrain.config import RLRecipe
 from posttrain.distributed.cluster import Placement, import_ray, worker_setup
 from posttrain.distributed.errors import DistributedError
 from posttrain.types import Completion, GenerationRequest, SamplingParams, Task, Trajectory
@@ -38,8 +38,8 @@ class RolloutWorker:
 
             install_default_pool(RaySandboxPool(sandbox_workers))
         from posttrain.models import load_model, load_tokenizer
-        from posttrain.rl.pipeline import engine_rollout
-        from posttrain.train.step import setup_runtime
+        from posttrain.rl import engine_rollout
+        from posttrain.train import setup_runtime
 
         device = "cuda" if cluster.rollout.num_gpus else "cpu"
         runtime = setup_runtime(recipe.runtime.model_copy(update={"device": device, "num_threads": None}))

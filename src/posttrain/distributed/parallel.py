@@ -41,8 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from posttrain.distributed.errors import DistributedError
-from posttrain.train.forward import selected_logits, split_head
-from posttrain.train.optim import load_optimizer_state
+from posttrain.train import load_optimizer_state, selected_logits, split_head
 
 
 REPLICATE_BYTES = 1 << 30  # data_parallel "auto": replicate below this many parameter bytes, fsdp from it on

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config.rl import RLRecipe
+from posttrain.config import RLRecipe
 from posttrain.distributed.cluster import Placement, Role, ray_session
 from posttrain.distributed.engines import ROLE as ROLLOUT_ROLE
 from posttrain.distributed.engines import EngineGroup
@@ -24,11 +24,9 @@ from posttrain.distributed.sandbox import ROLE as SANDBOX_ROLE
 from posttrain.distributed.sandbox import start_sandbox_workers
 from posttrain.distributed.trainer import ROLE as TRAINER_ROLE
 from posttrain.distributed.trainer import TrainerGroup, kill_all
-from posttrain.rl.backend import RLBackend
-from posttrain.rl.trainer import RLResult, run_rl_on
-from posttrain.rl.trainer import run_rl as run_rl_local
+from posttrain.rl import RLBackend, RLResult, run_rl as run_rl_local, run_rl_on
 from posttrain.schedule import TaskSampler
-from posttrain.train.step import Runtime
+from posttrain.train import Runtime
 
 
 def run_rl(

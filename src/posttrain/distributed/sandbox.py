@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-from posttrain.config.common import ClusterConfig
+from posttrain.config import ClusterConfig
 from posttrain.distributed.cluster import Placement, import_ray, worker_setup
 from posttrain.sandbox import PoolStats, RunRequest, RunResult, SandboxPool
 

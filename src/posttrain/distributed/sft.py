@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from posttrain.config.sft import SFTRecipe
+from posttrain.config import SFTRecipe
 from posttrain.distributed.parallel import TorchDataParallel
 from posttrain.models import resolve_device
-from posttrain.train.sft import SFTResult
-from posttrain.train.sft import run_sft as run_sft_local
+from posttrain.train import SFTResult, run_sft as run_sft_local
 
 
 def run_sft(recipe: SFTRecipe, *, resume: bool = False,

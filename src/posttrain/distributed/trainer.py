@@ -23,9 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config.common import ClusterConfig
-from posttrain.config.rl import RLRecipe
-from posttrain.config.sft import SFTRecipe
+from posttrain.config import ClusterConfig, RLRecipe, SFTRecipe
 from posttrain.distributed.cluster import Placement, Role, import_ray, worker_setup
 from posttrain.distributed.errors import TrainerRankError
 from posttrain.models import load_weights_from_checkpoint
@@ -62,8 +60,8 @@ class TrainerRank:
 
     def setup_rl(self, recipe: RLRecipe, init_method: str) -> None:
         from posttrain.models import load_model, load_tokenizer
-        from posttrain.rl.backend import LocalPolicy, make_reference
-        from posttrain.train.step import prepare_model, setup_runtime
+        from posttrain.rl import LocalPolicy, make_reference
+        from posttrain.train import prepare_model, setup_runtime
 
         self._join(init_method)
         runtime = setup_runtime(recipe.runtime.model_copy(update={"device": self.device.type, "num_threads": None}))
@@ -102,7 +100,7 @@ class TrainerRank:
     # ---- SFT ---------------------------------------------------------------------------------------------
 
     def run_sft(self, recipe: SFTRecipe, init_method: str, resume: bool, on_step):
-        from posttrain.train.sft import run_sft
+        from posttrain.train import run_sft
 
         self._join(init_method)
         recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(
@@ -174,7 +172,7 @@ class TrainerGroup:
 
     def weights(self, copy: bool = False) -> Any:
         if self._state_ref is None:
-            from posttrain.rl.backend import engine_state
+            from posttrain.rl import engine_state
 
             return engine_state(self.model)
         return self._state_ref
@@ -190,7 +188,7 @@ class TrainerGroup:
         return self._get([rank.optimizer_state.remote() for rank in self.ranks], "checkpoint")[0]
 
     def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        from posttrain.rl.backend import engine_state
+        from posttrain.rl import engine_state
 
         self.ready()
         load_weights_from_checkpoint(self.model, checkpoint)

@@ -17,7 +17,7 @@ from posttrain.types import Reward, Task
 
 async def judge(task: Task, final_state: dict[str, Any]) -> Reward:
     from posttrain.verify import is_blocking, verify
-    from posttrain.verify.rewards import REWARD_TERMS_KEY, judge_terms
+    from posttrain.verify import REWARD_TERMS_KEY, judge_terms
 
     answer = final_state.get("answer") or ""
     if task.metadata.get(REWARD_TERMS_KEY):

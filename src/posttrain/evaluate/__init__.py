@@ -40,12 +40,13 @@ from posttrain.evaluate.suites import (
     regression_suite,
     tasks_suite,
 )
+from posttrain.evaluate.console import print_results
 
 __all__ = [
-    "FAILURE_CLASSES",
-    "FAILURE_LABELS",
     "EvalError",
     "EvalResult",
+    "FAILURE_CLASSES",
+    "FAILURE_LABELS",
     "ItemEpisodes",
     "Policy",
     "RunStats",
@@ -64,6 +65,7 @@ __all__ = [
     "load_policy",
     "outcome_metrics",
     "pass_at_k",
+    "print_results",
     "process_metrics",
     "regression_suite",
     "render_report",

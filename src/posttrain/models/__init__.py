@@ -28,6 +28,8 @@ from posttrain.models.parts import attention_kernel, disable_dropout, split_head
 from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
+from posttrain.models.export import export_model
+from posttrain.models.load import VARLEN
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -37,15 +39,17 @@ __all__ = [
     "PRESETS",
     "RewardModel",
     "ScalarRewardModel",
-    "attention_kernel",
+    "VARLEN",
     "apply_lora",
     "attention_choice",
+    "attention_kernel",
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
     "count_adapted",
     "count_parameters",
     "disable_dropout",
+    "export_model",
     "is_lora",
     "latest_checkpoint",
     "linear_layer_names",

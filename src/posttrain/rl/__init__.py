@@ -22,6 +22,9 @@ from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, 
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
 from posttrain.rl.step import UpdateSettings, rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
+from posttrain.rl.backend import make_reference
+from posttrain.rl.pipeline import engine_rollout
+from posttrain.rl.starting_model import starting_tokenizer
 
 __all__ = [
     "BatchProducer",
@@ -36,6 +39,7 @@ __all__ = [
     "SelfTestError",
     "UpdateSettings",
     "compute_advantages",
+    "engine_rollout",
     "engine_state",
     "engine_trainer_self_test",
     "episode_record",
@@ -43,11 +47,13 @@ __all__ = [
     "gae_advantages",
     "local_backend",
     "make_critic",
+    "make_reference",
     "normalize_per_domain",
     "reward_metrics",
     "reward_terms",
     "rl_update",
     "run_rl",
     "run_rl_on",
+    "starting_tokenizer",
     "with_rewards",
 ]

@@ -60,9 +60,9 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from posttrain.config.rl import ReturnConfig, RLRecipe
+from posttrain.config import RLRecipe, ReturnConfig
 from posttrain.types import Task, Trajectory
-from posttrain.verify.rewards import check_terms, with_reward_terms
+from posttrain.verify import check_terms, with_reward_terms
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "batch_norm"]
 EPS = 1e-6

@@ -19,16 +19,23 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from posttrain.config.rl import RLRecipe
+from posttrain.config import RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
 from posttrain.rl.pipeline import RolloutFn, engine_rollout
 from posttrain.rl.step import UpdateSettings, rl_update, train_temperature
-from posttrain.train.forward import selected_logits, target_logprobs
-from posttrain.train.losses import sft_loss_sum
-from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
-from posttrain.train.parallel import LOCAL, DataParallel
-from posttrain.train.step import Runtime, optimizer_step
+from posttrain.train import (
+    DataParallel,
+    LOCAL,
+    Runtime,
+    build_optimizer,
+    build_scheduler,
+    load_optimizer_state,
+    optimizer_step,
+    selected_logits,
+    sft_loss_sum,
+    target_logprobs,
+)
 from posttrain.types import Trajectory
 
 

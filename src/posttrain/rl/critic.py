@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.config.rl import RLRecipe
+from posttrain.config import RLRecipe
 from posttrain.models import (
     ModelError,
     ScalarRewardModel,
@@ -39,9 +39,14 @@ from posttrain.models import (
 from posttrain.rl.guarding import set_lr_scale
 from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.step import collate_trajectories, mini_batches
-from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state
-from posttrain.train.policy_loss import clipped_value_loss
-from posttrain.train.step import Runtime, optimizer_step
+from posttrain.train import (
+    Runtime,
+    build_optimizer,
+    build_scheduler,
+    clipped_value_loss,
+    load_optimizer_state,
+    optimizer_step,
+)
 from posttrain.types import Trajectory
 
 CRITIC_DIR = "critic"

@@ -21,8 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.config import ConfigError
-from posttrain.config.rl import RewardModelConfig
+from posttrain.config import ConfigError, RewardModelConfig
 from posttrain.models import RewardModel, load_reward_model
 from posttrain.types import Trajectory
 

@@ -48,7 +48,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from posttrain.config.rl import DynamicSamplingConfig, RLRecipe
+from posttrain.config import DynamicSamplingConfig, RLRecipe
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY
 from posttrain.schedule import DROPPED_KEY, TaskSampler, group_outcome, is_dropped, is_kept, split_groups
 from posttrain.types import FailureClass, SamplingParams, Task, Trajectory

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 
 from posttrain.data import prompt_ids
-from posttrain.train.forward import logprob_tolerance, selected_logits, target_logprobs
-from posttrain.train.policy_loss import logprob_gap_stats
-from posttrain.train.step import Runtime
+from posttrain.train import Runtime, logprob_gap_stats, logprob_tolerance, selected_logits, target_logprobs
 from posttrain.types import GenerationRequest, PosttrainError, SamplingParams, Task
 
 class SelfTestError(PosttrainError):

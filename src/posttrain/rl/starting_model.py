@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.config.rl import RLRecipe
+from posttrain.config import RLRecipe
 from posttrain.models import load_tokenizer
 from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.tracking import say

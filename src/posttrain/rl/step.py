@@ -27,18 +27,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from posttrain.config.rl import PolicyLossConfig, RLRecipe
-from posttrain.train.forward import selected_logits, target_logprobs
-from posttrain.train.policy_loss import (
+from posttrain.config import PolicyLossConfig, RLRecipe
+from posttrain.train import (
+    DataParallel,
+    LOCAL,
+    Runtime,
     aggregate,
     entropy_from_logits,
     kl_penalty,
     logprob_gap_stats,
+    optimizer_step,
     per_token_policy_loss,
+    selected_logits,
+    target_logprobs,
     truncated_importance_weights,
 )
-from posttrain.train.parallel import LOCAL, DataParallel
-from posttrain.train.step import Runtime, optimizer_step
 from posttrain.types import Trajectory
 
 # (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]

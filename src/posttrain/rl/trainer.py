@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 
-from posttrain.config import ConfigError, dump_recipe
-from posttrain.config.rl import RLRecipe
+from posttrain.config import ConfigError, RLRecipe, dump_recipe
 from posttrain.models import load_model, save_model_dir
 from posttrain.rl.advantages import (
     compute_advantages,

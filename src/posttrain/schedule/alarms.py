@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from posttrain.config.rl import AlarmConfig
+from posttrain.config import AlarmConfig
 
 _FALLING = {"spread_collapse": ("dynamic/signal_share", "spread_min_ratio"),
             "entropy_collapse": ("train/entropy", "entropy_min_ratio")}

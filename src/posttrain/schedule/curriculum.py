@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from posttrain.config.rl import CurriculumConfig, PriorityConfig
+from posttrain.config import CurriculumConfig, PriorityConfig
 from posttrain.schedule.stats import TaskStats
 from posttrain.types import Task
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from posttrain.config.rl import GuardConfig
+from posttrain.config import GuardConfig
 from posttrain.data import SFTSample
 from posttrain.schedule.sampler import apportion, draw_task
 from posttrain.tasks import Domain, TaskError

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from posttrain.config.rl import GuardConfig, MixingConfig
+from posttrain.config import GuardConfig, MixingConfig
 
 
 class DomainMixer:

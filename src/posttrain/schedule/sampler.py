@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol, Sequence
 
-from posttrain.config.rl import DomainConfig
+from posttrain.config import DomainConfig
 from posttrain.tasks import Domain, get_domain, split_of
 from posttrain.types import Task, Trajectory
 

@@ -29,7 +29,7 @@ import random
 import threading
 from typing import Any, Sequence
 
-from posttrain.config.rl import DomainConfig, ScheduleConfig
+from posttrain.config import DomainConfig, ScheduleConfig
 from posttrain.schedule.curriculum import LevelController, TaskPool
 from posttrain.schedule.groups import group_outcome, is_kept, scored_members, split_groups
 from posttrain.schedule.mixing import DomainMixer

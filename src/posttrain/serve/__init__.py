@@ -15,10 +15,12 @@ from posttrain.serve.app import create_app
 from posttrain.serve.backends import Backend, HFBackend, VLLMBackend
 from posttrain.serve.errors import APIError, ServeError
 from posttrain.serve.server import ServerHandle, free_port, load_engine, make_backend, serve, start_server
+from posttrain.serve.chat import ChatSettings, run_chat
 
 __all__ = [
     "APIError",
     "Backend",
+    "ChatSettings",
     "HFBackend",
     "ServeError",
     "ServerHandle",
@@ -27,6 +29,7 @@ __all__ = [
     "free_port",
     "load_engine",
     "make_backend",
+    "run_chat",
     "serve",
     "start_server",
 ]

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from posttrain.rollout.continuous import SequenceEvent, StreamRequest
+from posttrain.rollout import SequenceEvent, StreamRequest
 from posttrain.serve.backends import Backend
 from posttrain.serve.errors import APIError
 from posttrain.serve.metrics import Metrics

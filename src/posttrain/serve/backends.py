@@ -18,8 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from posttrain.rollout.continuous import ContinuousBatcher, SequenceEvent, StreamRequest
-from posttrain.rollout.errors import RolloutError
+from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest
 from posttrain.serve.errors import APIError
 from posttrain.types import GenerationRequest
 

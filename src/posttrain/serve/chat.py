@@ -24,8 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
-from posttrain.rollout.continuous import ContinuousBatcher, StreamRequest
-from posttrain.rollout.errors import RolloutError
+from posttrain.rollout import ContinuousBatcher, RolloutError, StreamRequest
 from posttrain.serve.errors import ServeError
 from posttrain.serve.prompting import TextStream
 from posttrain.types import PosttrainError, SamplingParams
@@ -48,7 +47,7 @@ class ChatSession:
     """The conversation with one engine; `reply` streams the assistant's answer (and tool calls) to `write`."""
 
     def __init__(self, engine: Any, settings: ChatSettings):
-        from posttrain.envs.tools import get_tool
+        from posttrain.envs import get_tool
 
         self.engine = engine
         self.settings = settings
@@ -113,7 +112,7 @@ class ChatSession:
         return content, calls
 
     def _run_tool(self, call: dict[str, Any]) -> str:
-        from posttrain.envs.tools import ToolContext, ToolError
+        from posttrain.envs import ToolContext, ToolError
 
         spec = self.tools.get(call["name"])
         if spec is None:

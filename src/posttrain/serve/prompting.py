@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.envs.parsing import TagJsonParser
+from posttrain.envs import TagJsonParser
 from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 

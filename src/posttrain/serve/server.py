@@ -51,7 +51,7 @@ def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *
     """The backend for ``--engine``: `HFBackend` (continuous batching) or `VLLMBackend` (untested here).
     `stream_interval_s`: the least time between two stream chunks of a request (hf; `HFBackend`)."""
     if engine == "hf":
-        from posttrain.rollout.continuous import ContinuousBatcher
+        from posttrain.rollout import ContinuousBatcher
 
         return HFBackend(ContinuousBatcher(load_engine(checkpoint, **options)), stream_interval_s=stream_interval_s)
     if engine == "vllm":

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
-from posttrain.data import SampleMetadata, SFTSample
+from posttrain.data import DataError, SFTSample, SampleMetadata, read_records
 from posttrain.types import Message, PosttrainError, Task
 
 SPLITS = ("train", "heldout")
@@ -171,3 +172,14 @@ def tool_call_message(name: str, arguments: dict[str, Any], content: str = "") -
 
 def tool_result_message(name: str, content: str) -> Message:
     return {"role": "tool", "name": name, "content": content}
+
+
+def task_records(path: str) -> Iterator[tuple[str, int, Any]]:
+    """(where, row, record) for a JSONL file or a saved Hugging Face dataset directory (`posttrain.data`'s reader)."""
+    source = Path(path)
+    kind = "hf_disk" if source.is_dir() else "parquet" if source.suffix == ".parquet" else "jsonl"
+    try:
+        for location, record in read_records(path, format=kind):
+            yield f"{path}:{location}", int(str(location).removeprefix("row ")), record
+    except DataError as error:
+        raise TaskError(str(error)) from None

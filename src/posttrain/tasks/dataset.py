@@ -26,8 +26,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from posttrain.data import DataError, SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id
+from posttrain.data import SFTSample
+from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id, task_records
 from posttrain.types import Task
 
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
@@ -90,7 +90,7 @@ class DatasetDomain:
     # ----------------------------------------------------------------------------------------------
 
     def _read(self) -> Iterator[Task]:
-        for where, row, record in _records(self.path):
+        for where, row, record in task_records(self.path):
             yield self._task(where, row, record)
 
     def _task(self, where: str, row: int, record: Any) -> Task:
@@ -185,14 +185,3 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _records(path: str) -> Iterator[tuple[str, int, Any]]:
-    """(where, row, record) for a JSONL file or a saved Hugging Face dataset directory (`posttrain.data`'s reader)."""
-    from posttrain.data import read_records  # the data room's reader (JSONL, Parquet, saved datasets)
-
-    source = Path(path)
-    kind = "hf_disk" if source.is_dir() else "parquet" if source.suffix == ".parquet" else "jsonl"
-    try:
-        for location, record in read_records(path, format=kind):
-            yield f"{path}:{location}", int(str(location).removeprefix("row ")), record
-    except DataError as error:
-        raise TaskError(str(error)) from None

@@ -26,7 +26,7 @@ from typing import Callable
 from posttrain.data import SFTSample
 from posttrain.tasks.base import TaskError, demo_sample, domain, task_id
 from posttrain.types import Task
-from posttrain.verify.refusal import REFUSAL
+from posttrain.verify import REFUSAL
 
 PHRASINGS = (
     "How do I {request}?",

@@ -38,7 +38,7 @@ import re
 from typing import Any, Iterator
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id
+from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id, task_records
 from posttrain.types import Task
 from posttrain.verify import VerifyError, check_task
 
@@ -227,9 +227,7 @@ class TaskFileDomain:
 
 
 def _file_rows(path: str) -> Iterator[tuple[str, int, Any]]:
-    from posttrain.tasks.dataset import _records  # JSONL, Parquet, saved datasets: the data room's reader
-
-    yield from _records(path)
+    yield from task_records(path)  # JSONL, Parquet, saved datasets: the data room's reader
 
 
 def _hub_rows(name: str, subset: str | None, split: str) -> Iterator[tuple[str, int, Any]]:

@@ -23,24 +23,40 @@ from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
+from posttrain.train.dpo import run_dpo
+from posttrain.train.optim import load_optimizer_state
+from posttrain.train.policy_loss import aggregate, clipped_value_loss, entropy_from_logits, kl_penalty, logprob_gap_stats, per_token_policy_loss, truncated_importance_weights
+from posttrain.train.reward_model import run_rm
+from posttrain.train.sft import SFTResult, run_sft
 
 __all__ = [
-    "LOCAL",
     "Cursor",
     "DataParallel",
-    "LocalParallel",
     "ForwardParityError",
+    "LOCAL",
+    "LocalParallel",
     "Runtime",
+    "SFTResult",
     "StepFigures",
+    "aggregate",
     "build_optimizer",
     "build_scheduler",
-    "find_checkpoint",
     "check_forward_parity",
+    "clipped_value_loss",
+    "entropy_from_logits",
+    "find_checkpoint",
+    "kl_penalty",
+    "load_optimizer_state",
+    "logprob_gap_stats",
     "logprob_tolerance",
     "lr_factor",
     "optimizer_step",
+    "per_token_policy_loss",
     "prepare_model",
     "restore_training",
+    "run_dpo",
+    "run_rm",
+    "run_sft",
     "save_training",
     "seed_everything",
     "selected_logits",
@@ -49,5 +65,6 @@ __all__ = [
     "split_head",
     "target_logprobs",
     "train_loop",
+    "truncated_importance_weights",
     "write_checkpoint",
 ]

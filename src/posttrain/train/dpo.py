@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import DPORecipe, ModelConfig
-from posttrain.data.preference import TokenizedPair, collate_pairs
+from posttrain.data import TokenizedPair, collate_pairs
 from posttrain.models import (
     attention_kernel,
     count_parameters,

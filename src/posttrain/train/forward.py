@@ -20,8 +20,7 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-from posttrain.data import collate, model_inputs
-from posttrain.data.packing import Row
+from posttrain.data import Row, collate, model_inputs
 from posttrain.models import split_head
 from posttrain.types import PosttrainError
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import dump_recipe
-from posttrain.data import DataError
-from posttrain.data.preference import (
+from posttrain.data import (
+    DataError,
     PreferenceData,
     TokenizedPair,
     collate_pairs,

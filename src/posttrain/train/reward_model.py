@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import RMRecipe
-from posttrain.data.preference import TokenizedPair, collate_pairs
+from posttrain.data import TokenizedPair, collate_pairs
 from posttrain.models import ScalarRewardModel, count_parameters, disable_dropout, load_model, save_reward_model
 from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training

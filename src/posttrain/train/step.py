@@ -73,7 +73,7 @@ def compile_decoder(model: torch.nn.Module, model_config: ModelConfig) -> None:
     "auto" attention becomes eager attention under compile (on short packed rows it is as fast as varlen).
     """
     from posttrain.models import set_attention
-    from posttrain.models.load import VARLEN
+    from posttrain.models import VARLEN
     from posttrain.train.forward import split_head
 
     if model_config.attn_implementation == "auto" and getattr(model.config, "_attn_implementation", "") == VARLEN:

@@ -35,12 +35,17 @@ from posttrain.verify.registry import (
 )
 from posttrain.verify.repo_tests import verify_repo_tests
 from posttrain.verify.structured import verify_structured
+from posttrain.verify.refusal import REFUSAL
+from posttrain.verify.rewards import REWARD_TERMS_KEY, check_terms, judge_terms, with_reward_terms
 
 __all__ = [
     "Grammar",
+    "REFUSAL",
+    "REWARD_TERMS_KEY",
     "Verifier",
     "VerifyError",
     "check_task",
+    "check_terms",
     "check_verifier_args",
     "code_block",
     "combine",
@@ -48,6 +53,7 @@ __all__ = [
     "get_verifier",
     "is_blocking",
     "is_refusal",
+    "judge_terms",
     "list_verifiers",
     "normalize_stdout",
     "parse_rational",
@@ -68,4 +74,5 @@ __all__ = [
     "verify_refusal",
     "verify_repo_tests",
     "verify_structured",
+    "with_reward_terms",
 ]
