@@ -19,6 +19,7 @@ FAST = ["train.max_steps=1", "rollout.prompts_per_step=2", "rollout.sampling.gro
 TERMS = {"grpo-math": {"correct", "brevity"}, "grpo-code": {"tests", "brevity"},
          "grpo-agent": {"correct", "tool_use"}}
 VERIFIER = {"grpo-math": "math", "grpo-code": "code", "grpo-agent": "exact"}
+VERIFIER_TERM = {"grpo-math": "correct", "grpo-code": "tests", "grpo-agent": "correct"}
 
 
 def _records(path: Path) -> list[dict]:
@@ -32,7 +33,7 @@ def _check_run(name: str, output: Path, steps: int) -> list[dict]:
         assert all(f"reward/{term}" in m for m in metrics if "reward/mean" in m), term  # each term logged
     episodes = _records(output / "episodes.jsonl")
     assert episodes and all(set(e["details"]["weights"]) == TERMS[name] for e in episodes)
-    judged = [e["details"][next(iter(TERMS[name]))] for e in episodes]
+    judged = [e["details"][VERIFIER_TERM[name]] for e in episodes]
     assert all(d.get("verifier") == VERIFIER[name] for d in judged)
     assert (output / "final" / "config.json").is_file()
     return episodes
