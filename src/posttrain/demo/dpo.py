@@ -30,7 +30,8 @@ def dpo(run: DemoRun) -> dict[str, Any]:
     episodes = _sample_episodes(run, policy)
     pairs = episodes_to_pairs([episode_record(t, 0) for t in episodes], per_task=run.recipe.dpo_pairs.per_task,
                               seed=run.recipe.seed, source="demo-sft-samples")
-    write_records(run.data_dir / PAIRS_FILE, pairs)
+    if pairs:  # an empty file would be a data error for whoever reads it (the report's contamination check)
+        write_records(run.data_dir / PAIRS_FILE, pairs)
     sampled_pass_rate = round(sum(t.reward.passed for t in episodes) / max(len(episodes), 1), 4)
     if not pairs:
         # A model that solves every sampled task, or none, has no success/failure pair to learn from; the next
