@@ -70,10 +70,10 @@ PHASES = ("time/rollout_s", "time/train_s", "time/wait_s", "time/weight_sync_s",
 
 def timed_run(recipe: RLRecipe) -> tuple[float, dict[str, float]]:
     """Steps/s between the end of the warm-up steps and the end of the run, and the mean seconds per phase."""
-    from posttrain.distributed import run_rl
+    from posttrain.distributed import launch_rl
 
     marks: dict[int, float] = {}
-    result = run_rl(recipe, on_step=lambda step, metrics: marks.__setitem__(step, time.perf_counter()))
+    result = launch_rl(recipe, on_step=lambda step, metrics: marks.__setitem__(step, time.perf_counter()))
     last = max(marks)
     measured = result.history[WARMUP_STEPS:]
     phases = {key.removeprefix("time/"): statistics.mean(m.get(key, 0.0) for m in measured) for key in PHASES}

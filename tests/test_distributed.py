@@ -150,16 +150,16 @@ def test_the_sharded_weights_gather_in_one_collective_equals_full_tensor():
 
 @pytest.mark.ray
 def test_placement_is_checked_before_anything_starts(ray_cluster, policy_dir, tmp_path):
-    from posttrain.distributed import PlacementError, run_rl
+    from posttrain.distributed import PlacementError, launch_rl
 
     config = recipe(policy_dir, tmp_path / "run", num_rollout_workers=4, rollout={"num_cpus": 1},
                     trainer={"num_cpus": 1})
     with pytest.raises(PlacementError, match=r"4 rollout workers x 1 \+ 2 trainer ranks x 1 = 6 CPUs, but .* has 2"):
-        run_rl(config)
+        launch_rl(config)
     assert not ray.util.list_named_actors()  # nothing was started
     gpus = recipe(policy_dir, tmp_path / "run", trainer={"num_cpus": 0.5, "num_gpus": 1})
     with pytest.raises(PlacementError, match="2 trainer ranks x 1 = 2 GPUs, but .* has 0"):
-        run_rl(gpus)
+        launch_rl(gpus)
 
 
 @pytest.mark.ray
@@ -200,9 +200,9 @@ def test_sandbox_workers_run_jails_and_survive_a_kill(ray_cluster):
 
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster, policy_dir, tmp_path_factory):
-    from posttrain.distributed import run_rl
+    from posttrain.distributed import launch_rl
 
-    return run_rl(recipe(policy_dir, tmp_path_factory.mktemp("ray") / "run", data_parallel="fsdp"))
+    return launch_rl(recipe(policy_dir, tmp_path_factory.mktemp("ray") / "run", data_parallel="fsdp"))
 
 
 @pytest.mark.ray
@@ -228,19 +228,19 @@ def test_rl_on_ray_matches_the_one_process_run(ray_run, policy_dir, tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_replicated_ranks_match_the_one_process_run_and_resume_exactly(ray_cluster, policy_dir, tmp_path):
-    from posttrain.distributed import run_rl
+    from posttrain.distributed import launch_rl
     from posttrain.rl.trainer import run_rl as run_local
 
     local = run_local(recipe(policy_dir, tmp_path / "local", ray_backend=False))
-    replicated = run_rl(recipe(policy_dir, tmp_path / "replicated", data_parallel="replicate"))
+    replicated = launch_rl(recipe(policy_dir, tmp_path / "replicated", data_parallel="replicate"))
     for (loss_a, norm_a, reward_a), (loss_b, norm_b, reward_b) in zip(figures(local), figures(replicated)):
         assert reward_a == reward_b
         assert loss_b == pytest.approx(loss_a, abs=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-4)
     assert max_weight_gap(local.final_dir, replicated.final_dir) < 1e-4
     # Stopped after step 2 (its checkpoint), resumed to the end: the same steps as the run that went through.
     stopped = recipe(policy_dir, tmp_path / "stopped", data_parallel="replicate")
-    run_rl(stopped, on_step=lambda step, metrics: step == 2)
-    resumed = run_rl(stopped, resume=True)
+    launch_rl(stopped, on_step=lambda step, metrics: step == 2)
+    resumed = launch_rl(stopped, resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]
     assert figures(resumed) == figures(replicated)[2:]
     assert max_weight_gap(resumed.final_dir, replicated.final_dir) == 0.0
@@ -249,14 +249,14 @@ def test_replicated_ranks_match_the_one_process_run_and_resume_exactly(ray_clust
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_rollout_worker_is_restarted_and_no_episode_is_lost_or_doubled(ray_run, policy_dir, tmp_path):
-    from posttrain.distributed import run_rl
+    from posttrain.distributed import launch_rl
 
     def kill_soon(step, metrics):
         if step == 1:  # lands while the next batch is being rolled out (or just before): both must recover
             worker = named_actor("-rollout-0")
             threading.Timer(0.2, lambda: ray.kill(worker, no_restart=False)).start()
 
-    killed = run_rl(recipe(policy_dir, tmp_path / "killed", data_parallel="fsdp"), on_step=kill_soon)
+    killed = launch_rl(recipe(policy_dir, tmp_path / "killed", data_parallel="fsdp"), on_step=kill_soon)
     assert killed.history[-1]["cluster/rollout_restarts"] >= 1
     logged = episodes(killed.output_dir)
     assert len(logged) == STEPS * PROMPTS * GROUP
@@ -270,17 +270,17 @@ def test_a_killed_rollout_worker_is_restarted_and_no_episode_is_lost_or_doubled(
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_dead_trainer_rank_stops_the_run_and_resume_continues_exactly(ray_run, policy_dir, tmp_path):
-    from posttrain.distributed import TrainerRankError, run_rl
+    from posttrain.distributed import TrainerRankError, launch_rl
 
     def kill_rank(step, metrics):
         if step == 3:
             ray.kill(named_actor("-trainer-1"), no_restart=True)
 
     with pytest.raises(TrainerRankError, match="--resume"):
-        run_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), on_step=kill_rank)
+        launch_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), on_step=kill_rank)
     time.sleep(0.5)
     assert not [name for name in ray.util.list_named_actors() if "-trainer-" in name]  # the group was stopped
-    resumed = run_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), resume=True)
+    resumed = launch_rl(recipe(policy_dir, tmp_path / "run", data_parallel="fsdp"), resume=True)
     assert [m["policy/version"] for m in resumed.history] == [2.0, 3.0]  # from the checkpoint of step 2
     assert figures(resumed) == figures(ray_run)[2:]
     assert max_weight_gap(resumed.final_dir, ray_run.final_dir) == 0.0

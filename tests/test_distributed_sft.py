@@ -101,7 +101,7 @@ def test_torchrun_sharded_sft_matches_one_process_and_resumes_exactly(tmp_path, 
 @pytest.mark.ray
 def test_sft_on_ray_actors_matches_the_torchrun_launch(tmp_path, data_file):
     ray = pytest.importorskip("ray")
-    from posttrain.distributed import run_sft as run_distributed
+    from posttrain.distributed import launch_sft as run_distributed
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:

@@ -27,10 +27,10 @@ def recipe_path(name: str) -> Path:
 
 def sft(args: argparse.Namespace) -> int:
     # posttrain.distributed runs it in this process unless launched under torchrun or with cluster.backend: ray.
-    from posttrain.distributed import run_sft
+    from posttrain.distributed import launch_sft
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, SFTRecipe)
-    result = run_sft(recipe, resume=args.resume)
+    result = launch_sft(recipe, resume=args.resume)
     if result is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     say(
@@ -81,10 +81,10 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
 
 def rl(args: argparse.Namespace) -> int:
     from posttrain.config import RLRecipe
-    from posttrain.distributed import run_rl  # local unless cluster.backend: ray
+    from posttrain.distributed import launch_rl  # local unless cluster.backend: ray
 
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RLRecipe)
-    result = run_rl(recipe, resume=args.resume)
+    result = launch_rl(recipe, resume=args.resume)
     heldout = ", ".join(f"{k} {v:.1%}" for k, v in result.heldout.items())
     say(f"[rl] done: {result.steps} steps in {result.seconds:.0f}s" + (f"; held-out {heldout}" if heldout else ""))
     say(f"[rl] model: {result.final_dir}")

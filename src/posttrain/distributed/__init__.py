@@ -1,7 +1,7 @@
 """Distributed runs: the same RL and SFT recipes on a Ray cluster, the trainer sharded with torch FSDP.
 
-    from posttrain.distributed import run_rl, run_sft
-    run_rl(recipe)   # recipe.cluster.backend: ray -> engine actors, sandbox workers, an FSDP trainer group
+    from posttrain.distributed import launch_rl, launch_sft
+    launch_rl(recipe)   # recipe.cluster.backend: ray -> engine actors, sandbox workers, an FSDP trainer group
 
     posttrain rl recipe.yaml cluster.backend=ray
     torchrun --nproc_per_node 2 -m posttrain sft recipe.yaml
@@ -13,7 +13,7 @@ only when a Ray run starts, so torchrun launches need no Ray. docs/distributed.m
 
 from posttrain.distributed.errors import DistributedError, PlacementError, TrainerRankError
 from posttrain.distributed.parallel import TorchDataParallel
-from posttrain.distributed.rl import run_rl
-from posttrain.distributed.sft import run_sft
+from posttrain.distributed.rl import launch_rl
+from posttrain.distributed.sft import launch_sft
 
-__all__ = ["DistributedError", "PlacementError", "TorchDataParallel", "TrainerRankError", "run_rl", "run_sft"]
+__all__ = ["DistributedError", "PlacementError", "TorchDataParallel", "TrainerRankError", "launch_rl", "launch_sft"]

@@ -29,14 +29,15 @@ from posttrain.schedule import TaskSampler
 from posttrain.train import Runtime
 
 
-def run_rl(
+def launch_rl(
     recipe: RLRecipe,
     *,
     resume: bool = False,
     sampler: TaskSampler | None = None,
     on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
 ) -> RLResult:
-    """`posttrain.rl.trainer.run_rl`, on Ray when ``cluster.backend`` is ``ray``."""
+    """The RL recipe where the recipe says: `posttrain.rl.run_rl` in this process, or on Ray when
+    ``cluster.backend`` is ``ray``."""
     if recipe.cluster.backend == "local":
         return run_rl_local(recipe, resume=resume, sampler=sampler, on_step=on_step)
     _check_supported(recipe)

@@ -19,7 +19,7 @@ from posttrain.models import resolve_device
 from posttrain.train import SFTResult, run_sft as run_sft_local
 
 
-def run_sft(recipe: SFTRecipe, *, resume: bool = False,
+def launch_sft(recipe: SFTRecipe, *, resume: bool = False,
             on_step: Callable[[int, dict[str, float]], None] | None = None) -> SFTResult | None:
     """One SFT run: sharded over a torchrun group when launched in one, over Ray actors with
     ``cluster.backend: ray``, else in this process. Returns rank 0's result (None on other torchrun ranks)."""

@@ -136,7 +136,7 @@ def run_rl(
 ) -> RLResult:
     if recipe.cluster.backend != "local":
         raise ConfigError(f"rl: cluster.backend is '{recipe.cluster.backend}': run it with `posttrain rl` or "
-                          "posttrain.distributed.run_rl (this function runs in one process)")
+                          "posttrain.distributed.launch_rl (this function runs in one process)")
     return run_rl_on(recipe, local_backend, resume=resume, sampler=sampler, on_step=on_step)
 
 
