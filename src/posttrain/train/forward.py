@@ -161,7 +161,7 @@ def check_forward_parity(
 def _split_samples(samples: Sequence[Any], limit: int) -> list[list[int]]:
     """Up to `limit` token sequences (of 2 tokens or more: one has nothing to predict) from `samples`."""
     out: list[list[int]] = []
-    for sample in samples:
+    for sample in samples[:limit]:  # a slice: a streaming epoch is read by forward slices, never by index
         if len(out) >= limit:
             break
         if hasattr(sample, "chosen_ids"):  # a tokenized preference pair: both of its sequences
