@@ -10,6 +10,7 @@ problem, however many are drawn, and a "fresh" draw with new seeds still respect
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
@@ -183,3 +184,32 @@ def task_records(path: str) -> Iterator[tuple[str, int, Any]]:
             yield f"{path}:{location}", int(str(location).removeprefix("row ")), record
     except DataError as error:
         raise TaskError(str(error)) from None
+
+
+# ---- tasks read from a file, by level (the `dataset` and `tasks` domains) ------------------------------------
+
+
+def tasks_by_level(tasks: Iterable[Task], source: str) -> dict[int, list[Task]]:
+    """A file's tasks grouped by difficulty: the levels a curriculum climbs. An empty file is an error."""
+    by_level: dict[int, list[Task]] = {}
+    for task in tasks:
+        by_level.setdefault(task.difficulty, []).append(task)
+    if not by_level:
+        raise TaskError(f"{source}: no tasks (the file holds no records)")
+    return by_level
+
+
+def draw_task(by_level: dict[int, list[Task]], rng: random.Random, level: int, source: str) -> Task:
+    """One task of `level`, as a copy the caller may mutate."""
+    pool = by_level.get(level)
+    if not pool:
+        raise TaskError(f"{source}: no tasks at level {level} (levels: {sorted(by_level)})")
+    return Task.from_dict(json.loads(json.dumps(rng.choice(pool).to_dict())))
+
+
+def file_tasks(by_level: dict[int, list[Task]], split: str | None, heldout_fraction: float) -> list[Task]:
+    """Every task of the file (of one split, if given), in file order: what an evaluation suite runs."""
+    every = sorted((t for pool in by_level.values() for t in pool), key=lambda t: t.metadata["row"])
+    if split is None:
+        return every
+    return [t for t in every if split_of(t.metadata["problem_key"], heldout_fraction) == split]

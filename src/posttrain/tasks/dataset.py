@@ -20,14 +20,22 @@ A bad file is a `TaskError` naming the file, the line (or row) and the field: ``
 from __future__ import annotations
 
 import difflib
-import json
 import random
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id, task_records
+from posttrain.tasks.base import (
+    TaskError,
+    demo_sample,
+    domain,
+    draw_task,
+    file_tasks,
+    task_id,
+    task_records,
+    tasks_by_level,
+)
 from posttrain.types import Task
 
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
@@ -61,26 +69,15 @@ class DatasetDomain:
         self.instruction = instruction
         self.system_prompt = system_prompt
         self.verifier = verifier
-        self.by_level: dict[int, list[Task]] = {}
-        for task in self._read():
-            self.by_level.setdefault(task.difficulty, []).append(task)
-        if not self.by_level:
-            raise TaskError(f"{path}: no records")
+        self.by_level = tasks_by_level(self._read(), path)
         self.max_level = max(self.by_level)
 
     def make_task(self, rng: random.Random, level: int) -> Task:
-        pool = self.by_level.get(level)
-        if not pool:
-            raise TaskError(f"{self.path}: no problems at level {level} (levels: {sorted(self.by_level)})")
-        task = rng.choice(pool)
-        return Task.from_dict(json.loads(json.dumps(task.to_dict())))  # callers may mutate their copy
+        return draw_task(self.by_level, rng, level, self.path)
 
     def tasks(self, split: str | None = None, heldout_fraction: float = 0.1) -> list[Task]:
         """Every problem of the file (of one split, if given), in file order: what an evaluation suite runs."""
-        every = sorted((t for pool in self.by_level.values() for t in pool), key=lambda t: t.metadata["row"])
-        if split is None:
-            return every
-        return [t for t in every if split_of(t.metadata["problem_key"], heldout_fraction) == split]
+        return file_tasks(self.by_level, split, heldout_fraction)
 
     def demonstration(self, task: Task) -> SFTSample:
         answer = task.verifier_args["reference"]

@@ -38,7 +38,16 @@ import re
 from typing import Any, Iterator
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, split_of, task_id, task_records
+from posttrain.tasks.base import (
+    TaskError,
+    demo_sample,
+    domain,
+    draw_task,
+    file_tasks,
+    task_id,
+    task_records,
+    tasks_by_level,
+)
 from posttrain.types import Task
 from posttrain.verify import VerifyError, check_task
 
@@ -70,28 +79,17 @@ class TaskFileDomain:
         self.instruction = INSTRUCTIONS[kind] if instruction == "" else instruction
         self.system_prompt, self.timeout_s = system_prompt, timeout_s
         rows = _file_rows(path) if path is not None else _hub_rows(hf, subset, split)  # type: ignore[arg-type]
-        self.by_level: dict[int, list[Task]] = {}
-        for where, row, record in rows:
-            task = self._task(where, row, record)
-            self.by_level.setdefault(task.difficulty, []).append(task)
-        if not self.by_level:
-            raise TaskError(f"{self.source}: no tasks (the file is empty)")
+        self.by_level = tasks_by_level((self._task(where, row, record) for where, row, record in rows), self.source)
         self.max_level = max(self.by_level)
 
     # ---- the Domain protocol ------------------------------------------------------------------------------
 
     def make_task(self, rng: random.Random, level: int) -> Task:
-        pool = self.by_level.get(level)
-        if not pool:
-            raise TaskError(f"{self.source}: no tasks at level {level} (levels: {sorted(self.by_level)})")
-        return Task.from_dict(json.loads(json.dumps(rng.choice(pool).to_dict())))  # callers may mutate their copy
+        return draw_task(self.by_level, rng, level, self.source)
 
     def tasks(self, split: str | None = None, heldout_fraction: float = 0.1) -> list[Task]:
         """Every task of the file (of one split, if given), in file order: what an evaluation suite runs."""
-        every = sorted((t for pool in self.by_level.values() for t in pool), key=lambda t: t.metadata["row"])
-        if split is None:
-            return every
-        return [t for t in every if split_of(t.metadata["problem_key"], heldout_fraction) == split]
+        return file_tasks(self.by_level, split, heldout_fraction)
 
     def demonstration(self, task: Task) -> SFTSample:
         solution = task.metadata.get("solution")
