@@ -162,6 +162,15 @@ def test_placement_is_checked_before_anything_starts(ray_cluster, policy_dir, tm
         launch_rl(gpus)
 
 
+def test_ray_refuses_a_run_without_model_path(tmp_path):
+    from posttrain.config import RLRecipe, load_recipe
+    from posttrain.distributed import DistributedError, launch_rl
+
+    fresh = load_recipe(None, [f"output_dir={tmp_path / 'run'}", "cluster.backend=ray"], RLRecipe)
+    with pytest.raises(DistributedError, match="cluster.backend: ray needs model.path"):
+        launch_rl(fresh)  # the workers could not build the driver's fresh built-in model
+
+
 @pytest.mark.ray
 def test_sandbox_workers_run_jails_and_survive_a_kill(ray_cluster):
     import asyncio

@@ -105,6 +105,9 @@ def test_validate_an_sft_recipe_marks_the_loss_mask(tmp_path, capsys):
     assert "<|user|>What is" in sample and "[[It is" in sample  # the prompt is context, the answer trained
     assert sample.index("<|user|>") < sample.index("[[")
     assert "estimate: 10 steps" in out and not (tmp_path / "run").exists()
+    assert main(["validate", str(recipe), "data.streaming=true"]) == 0  # a streamed epoch is read by slices
+    streamed = capsys.readouterr().out
+    assert "data: streamed, " in streamed and "one packed row (" in streamed and "[[It is" in streamed
     assert main(["validate", str(recipe), "train.batch_size=many"]) == 2
     err = capsys.readouterr().err.strip()
     assert "train.batch_size: expected an integer, got 'many'" in err and "\n" not in err

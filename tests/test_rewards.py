@@ -110,6 +110,12 @@ def test_recipe_errors(tmp_path, rewards_file):
     recipe.write_text("stage: rl\nrewards:\n  - {function: 'a:b', verifier: math}\n")
     with pytest.raises(ConfigError, match="exactly one of"):
         load_recipe(recipe)
+    recipe.write_text("stage: rl\ndomains: [{name: math}]\nrewards:\n  - {verifier: math}\n")
+    with pytest.raises(ConfigError, match=r"term names \['math'\] are taken by reward/<domain>"):
+        load_recipe(recipe)  # its figure would overwrite the domain's reward/math
+    recipe.write_text("stage: rl\nrollout: {engine: vllm}\n")
+    with pytest.raises(ConfigError, match="rollout.engine: vllm needs model.path"):
+        load_recipe(recipe)
     recipe.write_text(f"stage: rl\nrewards:\n  - {{verifier: math}}\n  - {{function: '{rewards_file}:nope'}}\n")
     with pytest.raises(Exception, match="has no 'nope'"):
         reward_terms(load_recipe(recipe))

@@ -101,14 +101,19 @@ def _sft(recipe: Any) -> None:
     tokenizer = load_tokenizer(recipe.model, corpus=corpus)
     _describe_tokenizer(tokenizer, recipe.model)
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed)
-    report = data.report
-    print(f"[validate] data: {report.get('read_total', len(data.train))} records read, {len(data.train)} train / "
-        f"{len(data.heldout)} held-out samples after dedup and splits")
-    sample = data.train[0]
-    print(f"[validate] one sample ({len(sample.input_ids)} tokens, {sample.num_loss_tokens} trained, "
-        f"{OPEN}trained{CLOSE}):\n{marked(tokenizer, sample.input_ids, sample.loss_mask)}")
-    rows = data.epoch_rows(0)
-    tokens_per_epoch = sum(len(row) for row in rows)
+    rows = data.epoch_rows(0)  # a streaming epoch is read by forward slices: take what is needed as slices
+    if recipe.data.streaming:
+        print(f"[validate] data: streamed, {len(rows)} packed rows in the first epoch "
+              f"({len(data.heldout)} held-out samples)")
+        sample = rows[0:1][0]
+    else:
+        report = data.report
+        print(f"[validate] data: {report.get('read_total', len(data.train))} records read, {len(data.train)} train / "
+            f"{len(data.heldout)} held-out samples after dedup and splits")
+        sample = data.train[0]
+    print(f"[validate] one {'packed row' if recipe.data.streaming else 'sample'} ({len(sample.input_ids)} tokens, "
+        f"{sum(sample.loss_mask)} trained, {OPEN}trained{CLOSE}):\n{marked(tokenizer, sample.input_ids, sample.loss_mask)}")
+    tokens_per_epoch = sum(len(row) for row in rows[0:len(rows)])
     steps_per_epoch = max(1, math.ceil(len(rows) / recipe.train.batch_size))
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.epochs)
     epochs = steps / steps_per_epoch
@@ -165,8 +170,10 @@ def _rl(recipe: Any) -> None:
 
         reward_terms(recipe)  # functions import, verifiers exist
     assert first is not None
-    prompt = tokenizer.apply_chat_template(first.messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    from posttrain.data import prompt_ids as render_prompt_ids, render_chat
+
+    prompt = render_chat(tokenizer, first.messages, generation_prompt=True)
+    prompt_ids = render_prompt_ids(tokenizer, [first.messages])[0]
     new = recipe.rollout.sampling.max_new_tokens
     print(f"[validate] one task ({first.domain}, level {first.difficulty}, judged by {first.verifier}; the prompt is "
         f"context, the policy's {OPEN}completion{CLOSE} of up to {new} tokens per turn is trained):\n"

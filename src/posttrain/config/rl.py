@@ -353,6 +353,13 @@ class RLRecipe(Section):
         labels = [term.label for term in self.rewards]
         if len(labels) != len(set(labels)):
             raise ValueError(f"rewards: each term needs its own name (set name:), got {labels}")
+        taken = set(labels) & (set(names) | {"mean", "pass_rate"})  # each is logged as reward/<name>, as these are
+        if taken:
+            raise ValueError(f"rewards: term names {sorted(taken)} are taken by reward/<domain>, reward/mean or "
+                             f"reward/pass_rate; give the term another name (name: ...)")
+        if self.model.path is None and self.rollout.engine == "vllm":
+            raise ValueError("rollout.engine: vllm needs model.path (a model directory or hub id); the fresh built-in "
+                             "model an RL run builds without one exists only in this process")
         clash = {suite.name for suite in self.schedule.guard.suites} & set(names)
         if clash:
             raise ValueError(f"schedule.guard.suites: names {sorted(clash)} are domain names (held-out suites)")

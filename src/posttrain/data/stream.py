@@ -99,6 +99,9 @@ class StreamDedup:
         if dedup.near:
             lsh = MinHashLSH(threshold=dedup.threshold, num_perm=dedup.num_perm)  # datasketch's banding choice
             self.bands, self.rows_per_band = lsh.b, lsh.r
+            # The hash permutations, drawn once: MinHash(seed=...) would draw 2 x num_perm numbers per sample.
+            template = MinHash(num_perm=dedup.num_perm, seed=_MINHASH_SEED)
+            self._permutations, self._scheme = template.permutations, template.scheme
         self.config = dedup
         self.exact_duplicates = self.near_duplicates = 0
 
@@ -108,7 +111,8 @@ class StreamDedup:
             self.exact_duplicates += 1
             return False
         if self.near is not None:
-            signature = MinHash(num_perm=self.config.num_perm, seed=_MINHASH_SEED)
+            signature = MinHash(num_perm=self.config.num_perm, seed=_MINHASH_SEED,
+                                permutations=self._permutations, scheme=self._scheme)
             signature.update_batch(_shingles(text, self.config.shingle))
             values = signature.hashvalues
             keys = [b"%d:" % band + values[band * self.rows_per_band:(band + 1) * self.rows_per_band].tobytes()

@@ -89,6 +89,10 @@ class RayBackend:
 
 
 def _check_supported(recipe: RLRecipe) -> None:
+    if recipe.model.path is None:
+        raise DistributedError("cluster.backend: ray needs model.path (a model directory or hub id): the workers "
+                               "load the model themselves, and a fresh built-in model exists only in the driver; "
+                               "run `posttrain sft` first, or train with cluster.backend: local")
     if recipe.model.lora.enabled:
         raise DistributedError("cluster.backend: ray does not support model.lora yet (the FSDP trainer shards "
                                "whole weights); train LoRA with cluster.backend: local")

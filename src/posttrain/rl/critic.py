@@ -36,7 +36,7 @@ from posttrain.models import (
     merged_copy,
     save_reward_model,
 )
-from posttrain.rl.guarding import set_lr_scale
+from posttrain.rl.backend import set_lr_scale
 from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.step import collate_trajectories, mini_batches
 from posttrain.train import (

@@ -23,7 +23,6 @@ from posttrain.config import EvalRuntime, EvalSampling, RLRecipe
 from posttrain.data import SFTSample
 from posttrain.evaluate import Suite, SuiteEvaluator, SuiteScore, regression_suite, tasks_suite
 from posttrain.rl.backend import make_engine
-from posttrain.rl.backend import set_lr_scale  # noqa: F401 - `rl.critic` imports it from here (the policy's)
 from posttrain.schedule import CollapseMonitor, ForgettingGuard, replay_samples
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.train import Runtime

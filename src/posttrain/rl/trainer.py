@@ -65,6 +65,7 @@ from posttrain.rl.pipeline import (
     sampling_params,
     select_trainable,
 )
+from posttrain.evaluate import SuiteScore
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.rl.starting_model import starting_tokenizer

@@ -34,6 +34,9 @@ def load_engine(checkpoint: str | Path, *, device: str = "auto", precision: str 
     from posttrain.rollout import HFEngine
 
     path = Path(checkpoint)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        raise ServeError(f"{checkpoint}: a LoRA adapter alone (model.lora.merge_on_save: false); merge it first: "
+                         f"posttrain export RUN_DIR DEST, then serve DEST")
     if not (path / "config.json").is_file():
         raise ServeError(f"{checkpoint}: not a model directory (no config.json); give a checkpoint directory, "
                          "e.g. runs/sft/final")

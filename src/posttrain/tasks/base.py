@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 from posttrain.data import DataError, SFTSample, SampleMetadata, read_records
@@ -177,10 +176,8 @@ def tool_result_message(name: str, content: str) -> Message:
 
 def task_records(path: str) -> Iterator[tuple[str, int, Any]]:
     """(where, row, record) for a JSONL file or a saved Hugging Face dataset directory (`posttrain.data`'s reader)."""
-    source = Path(path)
-    kind = "hf_disk" if source.is_dir() else "parquet" if source.suffix == ".parquet" else "jsonl"
     try:
-        for location, record in read_records(path, format=kind):
+        for location, record in read_records(path):  # the reader's own format detection (JSONL, Parquet, CSV, ...)
             yield f"{path}:{location}", int(str(location).removeprefix("row ")), record
     except DataError as error:
         raise TaskError(str(error)) from None
