@@ -17,10 +17,11 @@ vLLM, via the client's ``extra_body``) samples past the end-of-sequence token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -302,41 +303,34 @@ async def _chat_stream(backend: Backend, metrics: Metrics, request: StreamReques
             "model": model_name}
     streams = [TextStream(tokenizer, request.sampling.stop, prompt.parse_tools, prompt.forced_prefix)
                for _ in range(n)]
+
+    def choices_of(batch: list[SequenceEvent]) -> tuple[list[dict[str, Any]], int]:
+        deltas: dict[int, dict[str, Any]] = {}
+        finished = 0
+        for event in batch:
+            stream = streams[event.index]
+            choice = deltas.setdefault(event.index, {"index": event.index, "delta": {}, "logprobs": None,
+                                                     "finish_reason": None})
+            text = stream.add(event.token_id) if event.token_id >= 0 else ""
+            if body.logprobs and event.token_id >= 0 and _kept(event, len(stream.tokens)):
+                entry = _token_entry(tokenizer, event.token_id, event.logprob, event.top_logprobs)
+                choice["logprobs"] = {"content": (choice["logprobs"] or {"content": []})["content"] + [entry]}
+            if event.completion is not None:
+                last, calls = stream.finish(event.completion.text)
+                text += last
+                if calls:
+                    choice["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                choice["finish_reason"] = "tool_calls" if calls else event.completion.finish_reason
+                finished += len(event.completion.token_ids)
+            if text:
+                choice["delta"]["content"] = choice["delta"].get("content", "") + text
+        return [c for c in deltas.values() if c["delta"] or c["finish_reason"] or c["logprobs"]], finished
+
     yield "".join(_sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]}) for i in range(n))
-    completed = 0
-    try:
-        async for batch in backend.events(request):
-            deltas: dict[int, dict[str, Any]] = {}
-            for event in batch:
-                stream = streams[event.index]
-                choice = deltas.setdefault(event.index, {"index": event.index, "delta": {}, "logprobs": None,
-                                                         "finish_reason": None})
-                text = stream.add(event.token_id) if event.token_id >= 0 else ""
-                if body.logprobs and event.token_id >= 0 and _kept(event, len(stream.tokens)):
-                    entry = _token_entry(tokenizer, event.token_id, event.logprob, event.top_logprobs)
-                    choice["logprobs"] = {"content": (choice["logprobs"] or {"content": []})["content"] + [entry]}
-                if event.completion is not None:
-                    last, calls = stream.finish(event.completion.text)
-                    text += last
-                    if calls:
-                        choice["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                    choice["finish_reason"] = "tool_calls" if calls else event.completion.finish_reason
-                    completed += len(event.completion.token_ids)
-                if text:
-                    choice["delta"]["content"] = choice["delta"].get("content", "") + text
-            chunks = [c for c in deltas.values() if c["delta"] or c["finish_reason"] or c["logprobs"]]
-            if chunks:
-                yield "".join(_sse({**head, "choices": [c]}) for c in chunks)
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(len(request.prompt_token_ids), completed)})
-        yield "data: [DONE]\n\n"
-    except APIError as error:
-        yield _sse(error.body())
-    finally:
-        if not request.done:
-            backend.cancel(request)
-        _observe(metrics, request, len(request.prompt_token_ids), completed)
+    async with contextlib.aclosing(_event_stream(backend, metrics, request, head, include_usage, choices_of)) as parts:
+        async for part in parts:
+            yield part
 
 
 async def _text_stream(backend: Backend, metrics: Metrics, request: StreamRequest, body: CompletionRequest,
@@ -344,20 +338,38 @@ async def _text_stream(backend: Backend, metrics: Metrics, request: StreamReques
     tokenizer, n = backend.tokenizer, request.sampling.n
     head = {"id": request.request_id, "object": "text_completion", "created": int(time.time()), "model": model_name}
     streams = [TextStream(tokenizer, request.sampling.stop, False) for _ in range(n)]
+
+    def choices_of(batch: list[SequenceEvent]) -> tuple[list[dict[str, Any]], int]:
+        choices: dict[int, dict[str, Any]] = {}
+        finished = 0
+        for event in batch:
+            stream = streams[event.index]
+            choice = choices.setdefault(event.index, {"index": event.index, "text": "", "logprobs": None,
+                                                      "finish_reason": None})
+            choice["text"] += stream.add(event.token_id) if event.token_id >= 0 else ""
+            if event.completion is not None:
+                choice["text"] += stream.finish(event.completion.text)[0]
+                choice["finish_reason"] = event.completion.finish_reason
+                finished += len(event.completion.token_ids)
+        return [c for c in choices.values() if c["text"] or c["finish_reason"]], finished
+
+    async with contextlib.aclosing(_event_stream(backend, metrics, request, head, include_usage, choices_of)) as parts:
+        async for part in parts:
+            yield part
+
+
+async def _event_stream(backend: Backend, metrics: Metrics, request: StreamRequest, head: dict[str, Any],
+                        include_usage: bool,
+                        choices_of: Callable[[list[SequenceEvent]], tuple[list[dict[str, Any]], int]],
+                        ) -> AsyncIterator[str]:
+    """The SSE body of one streamed request, chat or text: `choices_of(batch)` turns a batch of events into the
+    choices to send and the completion tokens it finished. Usage, ``[DONE]``, an error chunk, freeing the slot
+    when the client goes away (the callers close this generator with theirs) and the metrics are the same."""
     completed = 0
     try:
         async for batch in backend.events(request):
-            choices: dict[int, dict[str, Any]] = {}
-            for event in batch:
-                stream = streams[event.index]
-                choice = choices.setdefault(event.index, {"index": event.index, "text": "", "logprobs": None,
-                                                          "finish_reason": None})
-                choice["text"] += stream.add(event.token_id) if event.token_id >= 0 else ""
-                if event.completion is not None:
-                    choice["text"] += stream.finish(event.completion.text)[0]
-                    choice["finish_reason"] = event.completion.finish_reason
-                    completed += len(event.completion.token_ids)
-            chunks = [c for c in choices.values() if c["text"] or c["finish_reason"]]
+            chunks, finished = choices_of(batch)
+            completed += finished
             if chunks:
                 yield "".join(_sse({**head, "choices": [c]}) for c in chunks)
         if include_usage:
