@@ -111,8 +111,9 @@ def _sft(recipe: Any) -> None:
         print(f"[validate] data: {report.get('read_total', len(data.train))} records read, {len(data.train)} train / "
             f"{len(data.heldout)} held-out samples after dedup and splits")
         sample = data.train[0]
+    shown = marked(tokenizer, sample.input_ids, sample.loss_mask)
     print(f"[validate] one {'packed row' if recipe.data.streaming else 'sample'} ({len(sample.input_ids)} tokens, "
-        f"{sum(sample.loss_mask)} trained, {OPEN}trained{CLOSE}):\n{marked(tokenizer, sample.input_ids, sample.loss_mask)}")
+        f"{sum(sample.loss_mask)} trained, {OPEN}trained{CLOSE}):\n{shown}")
     tokens_per_epoch = sum(len(row) for row in rows[0:len(rows)])
     steps_per_epoch = max(1, math.ceil(len(rows) / recipe.train.batch_size))
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.epochs)

@@ -6,6 +6,8 @@
 """
 
 from posttrain.config.common import (
+    ActorResources,
+    ClusterConfig,
     LoraConfig,
     ModelConfig,
     OptimConfig,
@@ -35,7 +37,21 @@ from posttrain.config.eval import (
     GeneratedSuite,
     RegressionSuite,
 )
-from posttrain.config.rl import DomainConfig, RewardModelConfig, RewardTerm, RLRecipe  # registers stage "rl" on import of config
+from posttrain.config.rl import (  # registers stage "rl" on import of config
+    AlarmConfig,
+    CurriculumConfig,
+    DomainConfig,
+    DynamicSamplingConfig,
+    GuardConfig,
+    MixingConfig,
+    PolicyLossConfig,
+    PriorityConfig,
+    RLRecipe,
+    ReturnConfig,
+    RewardModelConfig,
+    RewardTerm,
+    ScheduleConfig,
+)
 from posttrain.config.demo import DemoRecipe  # noqa: I001  (after rl: the demo recipe holds the stage recipes)
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
 from posttrain.config.sft import (
@@ -48,8 +64,6 @@ from posttrain.config.sft import (
     SFTRecipe,
     SFTTrainConfig,
 )
-from posttrain.config.common import ActorResources, ClusterConfig
-from posttrain.config.rl import AlarmConfig, CurriculumConfig, DynamicSamplingConfig, GuardConfig, MixingConfig, PolicyLossConfig, PriorityConfig, ReturnConfig, ScheduleConfig
 
 __all__ = [
     "ActorResources",

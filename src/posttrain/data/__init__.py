@@ -52,7 +52,14 @@ from posttrain.data.tokenize import (
     tokenize_samples,
 )
 from posttrain.data.flywheel import episodes_to_pairs, episodes_to_sft, read_episodes, write_records
-from posttrain.data.preference import PreferenceData, TokenizedPair, collate_pairs, load_preference_data, pair_texts, tokenize_pairs
+from posttrain.data.preference import (
+    PreferenceData,
+    TokenizedPair,
+    collate_pairs,
+    load_preference_data,
+    pair_texts,
+    tokenize_pairs,
+)
 
 __all__ = [
     "BloomFilter",

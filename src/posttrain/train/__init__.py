@@ -9,8 +9,6 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 """
 
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
-from posttrain.train.forward import selected_logits, split_head, target_logprobs
-from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.forward import (
     ForwardParityError,
     check_forward_parity,
@@ -19,13 +17,21 @@ from posttrain.train.forward import (
     split_head,
     target_logprobs,
 )
+from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.losses import sft_loss_sum
-from posttrain.train.optim import build_optimizer, build_scheduler, lr_factor
+from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
 from posttrain.train.dpo import run_dpo
-from posttrain.train.optim import load_optimizer_state
-from posttrain.train.policy_loss import aggregate, clipped_value_loss, entropy_from_logits, kl_penalty, logprob_gap_stats, per_token_policy_loss, truncated_importance_weights
+from posttrain.train.policy_loss import (
+    aggregate,
+    clipped_value_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprob_gap_stats,
+    per_token_policy_loss,
+    truncated_importance_weights,
+)
 from posttrain.train.reward_model import run_rm
 from posttrain.train.sft import SFTResult, run_sft
 
