@@ -96,3 +96,29 @@ def test_bad_records_name_file_row_and_field(tmp_path):
         get_domain("tasks", kind="math", path=str(path))
     with pytest.raises(TaskError, match="kind must be one of math, code, structured, format"):
         get_domain("tasks", kind="poetry", path=str(path))
+
+
+def test_one_file_domain_twice_under_labels_keeps_the_two_apart(tmp_path):
+    import yaml
+
+    from posttrain.config import ConfigError, load_recipe
+    from posttrain.schedule import Scheduler
+
+    domains = [{"name": "tasks/algebra", "args": {"kind": "math", "path": str(DATA / "tasks-math.jsonl")}},
+               {"name": "tasks/formats", "args": {"kind": "format", "path": str(DATA / "tasks-format.jsonl")}}]
+    def recipe_of(domain_list):
+        path = tmp_path / "rl.yaml"
+        path.write_text(yaml.safe_dump({"stage": "rl", "domains": domain_list}))
+        return load_recipe(path)
+
+    recipe = recipe_of(domains)
+    scheduler = Scheduler(recipe.domains, recipe.schedule, seed=0)
+    assert scheduler.sources["tasks/algebra"].kind == "math"
+    assert scheduler.sources["tasks/formats"].kind == "format"
+    drawn = {task.domain for task in get_domain("tasks/algebra", **domains[0]["args"]).tasks(split="train")}
+    assert drawn == {"tasks/algebra"}  # its tasks carry the label: statistics, curriculum and logs see two domains
+
+    with pytest.raises(ConfigError, match="tasks/<label>"):
+        recipe_of([domains[0] | {"name": "tasks"}, domains[1] | {"name": "tasks"}])
+    with pytest.raises(TaskError, match="cannot be labelled"):
+        get_domain("arithmetic/mine")

@@ -332,7 +332,9 @@ class RLRecipe(Section):
     def _schedule_names_domains(self):
         names = [spec.name for spec in self.domains]
         if len(names) != len(set(names)):
-            raise ValueError(f"domains: each domain may appear once, got {names}")
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"domains: each domain may appear once, got {names}; to use a file-backed domain "
+                             f"twice, label each use: name: {twice[0]}/<label> (e.g. tasks/humaneval)")
         levels = {spec.name: spec.levels for spec in self.domains}
         mixing = self.schedule.mixing
         for index, stage in enumerate(mixing.stages):

@@ -10,6 +10,7 @@ problem, however many are drawn, and a "fresh" draw with new seeds still respect
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import random
 from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
@@ -52,11 +53,24 @@ LAZY_DOMAINS = {"reasoning_gym/": "posttrain.tasks.reasoning_gym"}
 
 
 def get_domain(name: str, **kwargs: Any) -> Domain:
+    """The domain registered as `name`, built with `kwargs`.
+
+    ``base/label`` (``tasks/humaneval``) is the domain ``base`` under a name of its own, for a recipe that uses one
+    file-backed domain twice: it is built with ``domain_name=name``, so its tasks, statistics, curriculum and logs
+    carry the label. Only domains that take ``domain_name`` (``tasks``, ``dataset``) can be labelled."""
     for prefix, module in LAZY_DOMAINS.items():
         if name.startswith(prefix) and name not in DOMAINS:
             import importlib
 
             importlib.import_module(module).register_all()
+    base, _, label = name.partition("/")
+    if name not in DOMAINS and label and base in DOMAINS:
+        if not _labelable(DOMAINS[base]):
+            raise TaskError(f"domain '{name}': '{base}' cannot be labelled (only domains that take domain_name can: "
+                            f"{', '.join(sorted(n for n, f in DOMAINS.items() if _labelable(f)))})")
+        if kwargs.get("domain_name", name) != name:
+            raise TaskError(f"domain '{name}': args.domain_name {kwargs['domain_name']!r} contradicts the label")
+        return get_domain(base, **{**kwargs, "domain_name": name})
     if name not in DOMAINS:
         import difflib
 
@@ -67,6 +81,13 @@ def get_domain(name: str, **kwargs: Any) -> Domain:
         return DOMAINS[name](**kwargs)
     except TypeError as error:
         raise TaskError(f"domain '{name}': bad arguments {kwargs} ({error})") from None
+
+
+def _labelable(factory: Callable[..., Domain]) -> bool:
+    try:
+        return "domain_name" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def split_of(problem_key: str, heldout_fraction: float = 0.1, salt: str = "posttrain") -> str:

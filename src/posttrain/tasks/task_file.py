@@ -2,9 +2,9 @@
 hub dataset of tasks and maps its columns to a verifier's arguments.
 
     domains:                                            # an RL recipe
-      - name: tasks
+      - name: tasks/mine                                # one file: name: tasks; more: tasks/<label> each
         args: {path: my_problems.jsonl, kind: code}
-      - name: tasks
+      - name: tasks/humaneval
         args: {hf: openai/openai_humaneval, split: test, kind: code}   # via datasets.load_dataset
 
 Kinds, and the columns each reads (``columns: {key: column}`` renames any of them; unset, the key's own name):
