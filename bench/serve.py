@@ -98,6 +98,66 @@ class Clients:
         self.loop.close()
 
 
+class RawClients:
+    """`count` concurrent streaming chat clients on bare asyncio sockets: one kept-alive HTTP/1.1 connection
+    each, the body read as chunked server-sent events, and only the last event (the usage chunk) parsed as JSON.
+    The lean client a serving benchmark uses, so that the client side takes as little of the two cores as it can;
+    `Clients` (the `openai` SDK, which parses every chunk into pydantic objects) is ``--client openai``."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.loop = asyncio.new_event_loop()
+        self.connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self, index: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while len(self.connections) <= index:
+            self.connections.append(await asyncio.open_connection(self.host, self.port))
+        return self.connections[index]
+
+    async def _one(self, index: int, messages: list[dict], max_tokens: int, started: float) -> tuple[int, float]:
+        body = json.dumps({"model": MODEL, "messages": messages, "temperature": 1.0, "seed": index,
+                           "max_tokens": max_tokens, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        reader, writer = await self._connection(index)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise SystemExit(f"request {index}: {status.decode().strip()}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # headers (the body is chunked: uvicorn streams a response of unknown length that way)
+        first, last_event, pending = None, b"", b""
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            if size == 0:
+                await reader.readline()
+                break
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if first is None and b'"content":"' in event and b'"content":""' not in event:
+                    first = time.perf_counter() - started
+                if event != b"data: [DONE]":
+                    last_event = event
+        usage = json.loads(last_event.removeprefix(b"data: ")).get("usage") or {}
+        return usage.get("completion_tokens", 0), first if first is not None else time.perf_counter() - started
+
+    async def _all(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(self._one(i, m, max_tokens, started) for i, m in enumerate(prompts)))
+        return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+    def run(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+        """Completion tokens, wall seconds (first request sent to last stream closed), per-request TTFTs."""
+        return self.loop.run_until_complete(self._all(prompts, max_tokens))
+
+    def close(self) -> None:
+        for _, writer in self.connections:
+            writer.close()
+        self.loop.close()
+
+
 def offline(engine, prompt_ids: list[list[int]], max_tokens: int) -> tuple[int, float]:
     sampling = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, include_stop_in_output=False)
     started = time.perf_counter()
@@ -147,10 +207,13 @@ def start_server(checkpoint: Path, port: int, precision: str, threads: int | Non
          "--precision", precision, "--stream-interval", str(stream_interval),
          *(["--threads", str(threads)] if threads else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    banner = process.stdout.readline()
-    if "127.0.0.1" not in banner:
-        process.kill()
-        raise SystemExit(f"the server did not start: {banner}{process.stdout.read()}")
+    seen = []  # warnings a library prints on import (torchao's, say) come before the banner
+    while not seen or "127.0.0.1" not in seen[-1]:
+        line = process.stdout.readline()
+        if not line:
+            process.kill()
+            raise SystemExit("the server did not start:\n" + "".join(seen))
+        seen.append(line)
     return process
 
 
@@ -162,6 +225,8 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
+    parser.add_argument("--client", default="raw", choices=["raw", "openai"],
+                        help="raw: lean asyncio clients that parse only the usage chunk; openai: the official SDK")
     parser.add_argument("--stream-interval", type=float, default=0.0,
                         help="the server's --stream-interval (seconds between a request's stream chunks at least)")
     args = parser.parse_args()
@@ -180,7 +245,7 @@ def main() -> None:
         port = free_port()
         server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval)
         url = f"http://127.0.0.1:{port}"
-        clients = Clients(url)
+        clients = RawClients(url) if args.client == "raw" else Clients(url)
         try:
             for _ in range(2):  # warm-up: every client's connection, the server's first requests and steps
                 clients.run(prompts, 4)
@@ -213,7 +278,7 @@ def main() -> None:
     served_rate, offline_rate = statistics.median(served_rates), statistics.median(offline_rates)
     result = {
         "bench": "serve", "model": MODEL, "clients": args.clients, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "precision": args.precision,
+        "repeats": args.repeats, "precision": args.precision, "client": args.client,
         "stream_interval_s": args.stream_interval, "threads": torch.get_num_threads(),
         "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
