@@ -87,6 +87,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cores", type=int, default=2)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     import ray
 
     root = Path(tempfile.mkdtemp(prefix="posttrain-bench-distributed-"))
@@ -111,7 +112,7 @@ def main() -> int:
     sharded = statistics.median(figures["ray_fsdp"])
     per_phase = {name: {key: round(statistics.median(run[key] for run in measured), 4) for key in measured[0]}
                  for name, measured in phases.items()}
-    print(json.dumps({
+    print(json.dumps({"load_avg_1m": [round(load_start, 1), round(os.getloadavg()[0], 1)],
         "bench": "distributed", "preset": args.preset, "cores": args.cores, "steps": args.steps,
         "local_steps_per_s": round(local, 4), "ray_steps_per_s": round(distributed, 4),
         "ray_fsdp_steps_per_s": round(sharded, 4),

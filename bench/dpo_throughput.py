@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-eager", action="store_true",
                         help="also run TRL (precomputed reference) with eager attention instead of sdpa")
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
     if args.write_pairs:
         write_pairs(args.write_pairs)
         return 0
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs_file.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_pairs(args.pairs, levels=(2, 3))))
         results = {preset: bench_preset(preset, pairs_file, args, scratch) for preset in args.presets}
     ratios = [r["ratio"] for r in results.values() if "ratio" in r]
-    print(json.dumps({
+    print(json.dumps({"load_avg_1m": [round(load_start, 1), round(os.getloadavg()[0], 1)],
         "bench": "dpo_throughput", "unit": "pairs/s", "dtype": "bf16", "pairs": args.pairs, "batch": args.batch,
         "threads": torch.get_num_threads(), "results": results, "ratio": min(ratios) if ratios else None,
     }))

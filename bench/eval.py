@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="engine threads (default: all but one on a CPU, see posttrain.evaluate.runner)")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
 
     tasks = sample_tasks(get_domain("arithmetic"), args.items, level=3, split="heldout", seed=0)
     sampling = EvalSampling(max_new_tokens=args.max_new_tokens)
@@ -75,7 +77,7 @@ def main() -> None:
         print(f"one at a time: {statistics.median(s[0] for s in sequential):.1f} items/s", flush=True)
     items_per_s = statistics.median(r[0] for r in runs)
     sequential_items_per_s = statistics.median(s[0] for s in sequential)
-    print(json.dumps({
+    print(json.dumps({"load_avg_1m": [round(load_start, 1), round(os.getloadavg()[0], 1)],
         "bench": "eval", "preset": args.preset, "items": args.items, "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens, "precision": args.precision, "engine_threads": runs[-1][2],
         "items_per_s": round(items_per_s, 2),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--train-steps", type=int, default=0, help="train the model first (see above)")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = make_tokenizer()
@@ -199,6 +201,7 @@ def main() -> None:
         "results": results,
         "ratio": headline_ratio(results[args.presets[0]]),
     }
+    summary["load_avg_1m"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # the machine is shared: load at start and end
     print(json.dumps(summary))
 
 

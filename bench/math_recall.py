@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="processes per side (alternating)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
     if args.measure:
         print(json.dumps(measure(args.rounds)))
         return
@@ -107,6 +108,7 @@ def main() -> None:
         ours, baseline = summary["ours"], summary["baseline"]
         summary["ratio"] = round(baseline["cpu_ms_per_judgement"] / ours["cpu_ms_per_judgement"], 3)
         summary["wall_ratio"] = round(baseline["ms_per_judgement"] / ours["ms_per_judgement"], 3)
+    summary["load_avg_1m"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # the machine is shared: load at start and end
     print(json.dumps(summary))
 
 

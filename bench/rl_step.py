@@ -127,6 +127,7 @@ def main() -> int:
                         help="also measure runtime.compile (posttrain: the trainer's decoder and the engine's decode step "
                              "compiled; TRL: its torch_compile)")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
 
     import torch
 
@@ -184,6 +185,7 @@ def main() -> int:
     line = {"bench": "rl_step", "results": results}
     if ratios:
         line["ratio"] = min(ratios)
+    line["load_avg_1m"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # the machine is shared: load at start and end
     print(json.dumps(line))
     return 0
 

@@ -146,6 +146,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args()
+    load_start = os.getloadavg()[0]
 
     import torch
 
@@ -208,6 +209,7 @@ def main() -> int:
     line = {"bench": "sft_throughput", "results": results}
     if ratios:
         line["ratio"] = min(ratios)
+    line["load_avg_1m"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # the machine is shared: load at start and end
     print(json.dumps(line))
     return 0
 
