@@ -17,8 +17,9 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "posttrain"
 
-# The rooms and what each may import directly. `types` (the shared contracts) and `usercode` (importing the user's
-# modules named by a recipe's `imports:`) import nothing of ours and are open to every room; `recipes/` is package
+# The rooms and what each may import directly. `types` (the shared contracts), `usercode` (importing the user's
+# modules named by a recipe's `imports:`) and `chat` (the chat template, called in one place) import nothing of ours
+# but `types` and are open to every room; `recipes/` is package
 # data (YAML, sample files, an example reward module loaded as user code), not a room.
 MAY_IMPORT: dict[str, set[str]] = {
     "config": set(),
@@ -39,7 +40,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "demo": {"distributed", "rl", "evaluate", "serve"},
     "cli": {"demo", "distributed", "serve"},
 }
-SHARED = {"types", "usercode"}
+SHARED = {"types", "usercode", "chat"}
 NOT_ROOMS = {"recipes"}
 
 

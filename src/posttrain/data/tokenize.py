@@ -36,6 +36,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
+from posttrain.chat import ChatTemplateError, require_prefix
+from posttrain.chat import render_chat as _render_chat
 from posttrain.data.schema import DataError, SampleMetadata, SFTSample
 from posttrain.types import Message
 
@@ -100,7 +102,6 @@ def tokenize_samples(
     rewrites earlier turns (see the module docstring; `TokenizeResult.sources` maps them back). Sequences
     longer than `max_length` are cut and counted; those left with no loss token are dropped and counted
     (unless `keep_empty`). `trained_from[k]`: sample k trains only its assistant turns from that index on."""
-    _check_tokenizer(tokenizer)
     if reasoning not in ("include", "drop"):
         raise DataError(f"reasoning: expected 'include' or 'drop', got {reasoning!r}")
     renderer = _Renderer(tokenizer)
@@ -129,13 +130,11 @@ def tokenize_samples(
 
 def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
-    """The template's text for `messages` (the one `apply_chat_template` call of posttrain's training side)."""
+    """The template's text for `messages` (`posttrain.chat.render_chat`, its failure a `DataError`)."""
     try:
-        return tokenizer.apply_chat_template(
-            list(messages), tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
-        )
-    except Exception as error:  # jinja raises TemplateError, templates raise their own exceptions
-        raise DataError(f"the chat template failed on {len(messages)} messages: {error}") from error
+        return _render_chat(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
+    except ChatTemplateError as error:
+        raise DataError(str(error)) from error
 
 
 def prompt_ids(tokenizer: Any, conversations: Sequence[Sequence[Message]],
@@ -144,7 +143,6 @@ def prompt_ids(tokenizer: Any, conversations: Sequence[Sequence[Message]],
     template has them): what a model is prompted with to write the next assistant turn."""
     if not conversations:
         return []
-    _check_tokenizer(tokenizer)
     texts = [render_chat(tokenizer, messages, generation_prompt=True, tools=tools) for messages in conversations]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
@@ -196,8 +194,12 @@ class _Renderer:
                 continue
             before = render(i, True)
             upto = full if i == len(messages) - 1 else render(i + 1, False)
-            if not upto.startswith(before):
-                raise DataError(_unstable(f"messages[:{i}] with the generation prompt", f"messages[:{i + 1}]"))
+            try:
+                require_prefix(before, upto, part=f"messages[:{i}] with the generation prompt",
+                                    whole=f"messages[:{i + 1}]", purpose="the assistant reply cannot be located "
+                                    "(the template changes the prompt when the reply is added)")
+            except ChatTemplateError as error:
+                raise DataError(str(error)) from None
             located.append((len(before), upto))
         # From the last turn back: a turn rendered as a prefix of the current sequence is marked in it.
         groups: list[tuple[str, list[tuple[int, int]]]] = []
@@ -228,14 +230,6 @@ def _message_key(message: Message) -> tuple:
         json.dumps(calls, sort_keys=True) if calls else None,
         message.get("name"),
         message.get("tool_call_id"),
-    )
-
-
-def _unstable(part: str, whole: str) -> str:
-    return (
-        f"the chat template is not prefix-stable: rendering {part} is not a prefix of rendering {whole}, so the "
-        "assistant reply cannot be located (the template changes the prompt when the reply is added); set "
-        "model.chat_template to a template that renders the prompt the same way with and without the reply"
     )
 
 
@@ -274,11 +268,3 @@ def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: list[tuple[int
         if start >= spans[span_index][0]:
             mask[position] = 1
     return mask
-
-
-def _check_tokenizer(tokenizer: Any) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "the tokenizer has no chat template; set model.chat_template in the recipe (a Jinja template or a "
-            "file holding one)"
-        )

@@ -26,6 +26,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from posttrain.chat import ChatTemplateError, encode_rendered, render_chat, require_prefix
 from posttrain.envs.base import EnvError
 from posttrain.types import Completion, Message
 
@@ -74,10 +75,11 @@ class TranscriptTokens:
         return list(ids)
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False,
-            **self.template_kwargs,
-        )
+        try:
+            return render_chat(self.tokenizer, messages, generation_prompt=generation_prompt, tools=self.tools,
+                               template_kwargs=self.template_kwargs)
+        except ChatTemplateError as error:
+            raise EnvError(str(error)) from error
 
     def add_policy_turn(self, completion: Completion, assistant_message: Message) -> None:
         """Append the engine's ids verbatim; `assistant_message` is the turn as the transcript records it."""
@@ -96,11 +98,11 @@ class TranscriptTokens:
         """Append the template's delta for `new_messages` plus the next generation prompt; returns its ids."""
         before = self.render(self.messages, generation_prompt=False)
         after = self.render(self.messages + new_messages, generation_prompt=True)
-        if not after.startswith(before):
-            raise EnvError(
-                "the chat template is not prefix-stable: rendering the conversation with a new message changes "
-                "earlier turns, so observations cannot be appended as token deltas"
-            )
+        try:
+            require_prefix(before, after, part="the conversation", whole="it with the new messages",
+                           purpose="observations cannot be appended as token deltas")
+        except ChatTemplateError as error:
+            raise EnvError(str(error)) from None
         ids = self._encode(self._turn_closure() + after[len(before):])
         self._append(ids)
         self.messages += [dict(m) for m in new_messages]
@@ -124,7 +126,7 @@ class TranscriptTokens:
         return tail[len(eos):] if ended else tail
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_rendered(self.tokenizer, text)
 
     def _append(self, ids: list[int]) -> None:
         self.token_ids += ids

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from posttrain.chat import chat_ids
 from posttrain.models.load import ModelError
 from posttrain.models.lora import is_lora, merged_copy
 from posttrain.models.parts import attention_kernel, split_head
@@ -188,8 +189,7 @@ class RewardModel:
 
     def _ids(self, item: Any) -> list[int]:
         if item and isinstance(item[0], dict):
-            text = self.tokenizer.apply_chat_template(list(item), tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return chat_ids(self.tokenizer, item, generation_prompt=False)
         ids = [int(token) for token in item]
         if not ids:
             raise ValueError("cannot score an empty sequence")

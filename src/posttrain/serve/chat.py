@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
+from posttrain.chat import chat_ids
 from posttrain.rollout import ContinuousBatcher, RolloutError, StreamRequest
 from posttrain.serve.errors import ServeError
 from posttrain.serve.prompting import TextStream
@@ -84,9 +85,7 @@ class ChatSession:
         tokenizer, settings = self.engine.tokenizer, self.settings
         system = [{"role": "system", "content": settings.system}] if settings.system else []
         schemas = [spec.schema() for spec in self.tools.values()] or None
-        encoded = tokenizer.apply_chat_template(system + self.messages, tools=schemas, add_generation_prompt=True,
-                                                tokenize=True)
-        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        ids = chat_ids(tokenizer, system + self.messages, tools=schemas)
         sampling = SamplingParams(max_new_tokens=settings.max_tokens, temperature=settings.temperature,
                                   top_p=settings.top_p, seed=settings.seed, include_stop_in_output=False)
         request = StreamRequest(ids, sampling)

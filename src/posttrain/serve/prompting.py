@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.chat import ChatTemplateError, chat_ids
 from posttrain.envs import TagJsonParser
 from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
@@ -62,15 +63,12 @@ def hf_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt:
     """The prompt token ids of a chat request (the generation prompt included)."""
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    messages = hf_messages(request.messages)
     try:
-        encoded = tokenizer.apply_chat_template(hf_messages(request.messages), tools=tools,
-                                                add_generation_prompt=True, tokenize=True)
-    except APIError:
-        raise
-    except Exception as error:  # noqa: BLE001 - a template refusing these messages is the request's fault
+        ids = chat_ids(tokenizer, messages, tools=tools)
+    except ChatTemplateError as error:  # a template refusing these messages is the request's fault
         raise APIError(400, f"messages: the model's chat template cannot render them ({error})",
                        param="messages") from None
-    ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
     choice = request.tool_choice
     prefix = ""
     if isinstance(choice, NamedToolChoice):
