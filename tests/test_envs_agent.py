@@ -287,3 +287,29 @@ def test_limits_and_unsupported_requests_are_refused_by_name(tiny_tokenizer):
     assert status == 400 and body["error"]["code"] == "posttrain_limit" and endpoint.limit_hit == "calls"
     wrong_key = asyncio.run(endpoint.handle("GET", "/v1/models", {"authorization": "Bearer nope"}, b""))
     assert wrong_key[0] == 401
+
+
+# ---- the agent domain ---------------------------------------------------------------------------------------
+
+
+def test_agent_domain_wraps_another_domains_tasks(tmp_path):
+    import random
+
+    from posttrain.tasks import TaskError, get_domain
+
+    script = tmp_path / "agent.py"
+    script.write_text("print(1)")
+    domain = get_domain("agent", command=["{python}", str(script)], tasks={"name": "calculator"}, max_calls=3)
+    inner = get_domain("calculator").make_task(random.Random(0), 2)
+    task = domain.make_task(random.Random(0), 2)
+    assert (task.env, task.domain, task.messages, task.verifier_args) == ("agent", "agent", inner.messages,
+                                                                           inner.verifier_args)
+    assert task.env_args["command"] == ["{python}", str(script)] and task.env_args["max_calls"] == 3
+    assert task.metadata["problem_key"] == inner.metadata["problem_key"]  # the same train / held-out split
+    assert domain.demonstration(task).messages[-1]["content"] == inner.metadata["answer"]
+    with pytest.raises(TaskError, match=r"command\[1\]: /nonexistent/agent.py does not exist"):
+        get_domain("agent", command=["{python}", "/nonexistent/agent.py"], tasks={"name": "calculator"})
+    with pytest.raises(TaskError, match="max_calls must be a positive number"):
+        get_domain("agent", command=["true"], tasks={"name": "calculator"}, max_calls=0)
+    with pytest.raises(TaskError, match="tasks must be"):
+        get_domain("agent", command=["true"], tasks="calculator")
