@@ -104,12 +104,17 @@ def _run(engine, task, tokenizer):
     return asyncio.run(rollout_episode(engine, task, tokenizer, SAMPLING))
 
 
+def _tool_loop(tmp_path, engine, tokenizer, turns: int, **task_args):
+    """One episode of the openai-client tool loop agent."""
+    script = tmp_path / "agent.py"
+    script.write_text(TOOL_LOOP_AGENT)
+    return _run(engine, _task(script, [CALCULATOR], turns=turns, **task_args), tokenizer)
+
+
 @needs_bwrap
 @pytest.mark.bwrap
 def test_openai_tool_loop_agent_is_recorded_token_exactly(tmp_path, tiny_engine, tiny_tokenizer):
-    script = tmp_path / "agent.py"
-    script.write_text(TOOL_LOOP_AGENT)
-    trajectory = _run(tiny_engine, _task(script, [CALCULATOR], turns=3), tiny_tokenizer)
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=3)
 
     assert trajectory.reward.passed and trajectory.reward.failure is FailureClass.NONE, trajectory.reward
     report = trajectory.metadata["agent"]
@@ -135,9 +140,7 @@ def test_openai_tool_loop_agent_is_recorded_token_exactly(tmp_path, tiny_engine,
 @needs_bwrap
 @pytest.mark.bwrap
 def test_wrong_final_state_is_the_models_failure_not_infra(tmp_path, tiny_engine, tiny_tokenizer):
-    script = tmp_path / "agent.py"
-    script.write_text(TOOL_LOOP_AGENT)
-    trajectory = _run(tiny_engine, _task(script, [CALCULATOR], turns=1, expected="41"), tiny_tokenizer)
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=1, expected="41")
 
     assert trajectory.reward.failure is FailureClass.WRONG_ANSWER and trajectory.reward.score == 0.0
     assert not trajectory.reward.is_infrastructure_failure and trajectory.policy_tokens > 0
@@ -146,9 +149,7 @@ def test_wrong_final_state_is_the_models_failure_not_infra(tmp_path, tiny_engine
 @needs_bwrap
 @pytest.mark.bwrap
 def test_agent_that_crashes_half_way_is_an_infrastructure_failure(tmp_path, tiny_engine, tiny_tokenizer):
-    script = tmp_path / "agent.py"
-    script.write_text(TOOL_LOOP_AGENT)
-    trajectory = _run(tiny_engine, _task(script, [CALCULATOR], turns=4, crash_after=2), tiny_tokenizer)
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=4, crash_after=2)
 
     assert trajectory.reward.failure is FailureClass.INFRA and trajectory.reward.is_infrastructure_failure
     assert "the agent's own bug" in trajectory.reward.details["error"]
@@ -160,9 +161,7 @@ def test_agent_that_crashes_half_way_is_an_infrastructure_failure(tmp_path, tiny
 @needs_bwrap
 @pytest.mark.bwrap
 def test_call_limit_is_the_models_truncation_not_infra(tmp_path, tiny_engine, tiny_tokenizer):
-    script = tmp_path / "agent.py"
-    script.write_text(TOOL_LOOP_AGENT)
-    trajectory = _run(tiny_engine, _task(script, [CALCULATOR], turns=5, max_calls=2), tiny_tokenizer)
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=5, max_calls=2)
 
     assert trajectory.metadata["agent"]["limit_hit"] == "calls" and trajectory.steps == 2
     assert trajectory.reward.failure is FailureClass.TRUNCATED and not trajectory.reward.is_infrastructure_failure
@@ -313,3 +312,21 @@ def test_agent_domain_wraps_another_domains_tasks(tmp_path):
         get_domain("agent", command=["true"], tasks={"name": "calculator"}, max_calls=0)
     with pytest.raises(TaskError, match="tasks must be"):
         get_domain("agent", command=["true"], tasks="calculator")
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_agent_blackbox_recipe_runs_one_step(tmp_path, monkeypatch):
+    """The packaged recipe end to end: the shipped OpenAI-client agent in jails, judged, one GRPO step."""
+    from posttrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["rl", "grpo-agent-blackbox", "train.max_steps=1", "rollout.prompts_per_step=1",
+                 "rollout.sampling.group_size=2", "model.preset=tiny-1m", "runtime.num_threads=1",
+                 f"output_dir={tmp_path / 'run'}"]) == 0
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert episodes and all(e["domain"] == "agent" and e["details"].get("verifier") == "exact" for e in episodes)
+    assert not any(e["failure"] in ("infra", "sandbox_failure") for e in episodes)
+    assert (tmp_path / "run" / "final" / "config.json").is_file()

@@ -43,7 +43,7 @@ from posttrain.envs.agent_http import UnixHTTPServer
 from posttrain.envs.base import Action, EnvError, Observation, StepResult, environment
 from posttrain.envs.sandboxing import default_sandbox
 from posttrain.envs.tokens import TranscriptTokens
-from posttrain.sandbox import JailOptions, Sandbox, python_runtime_paths
+from posttrain.sandbox import JailOptions, Sandbox, SandboxPool, python_runtime_paths
 from posttrain.types import Task
 
 PYTHON_PLACEHOLDER = "{python}"
@@ -159,6 +159,10 @@ class AgentEnv:
 
     async def _run_jail(self, task: Task, directory: str, api_key: str, deadline: float) -> Any:
         box = self.sandbox if self.sandbox is not None else default_sandbox()
+        if not isinstance(box.pool, SandboxPool):
+            # The endpoint's socket lives on this machine: a jail on a remote sandbox worker could not reach it.
+            raise EnvError(f"agent: the sandbox pool must be local to the rollout process (a SandboxPool), not "
+                           f"{type(box.pool).__name__}")
         command, ro_paths = self._command()
         timeout_s = max(1.0, deadline - time.monotonic() - _START_MARGIN_S)
         limits = box.limits.replace(timeout_s=timeout_s, cpu_s=timeout_s, memory_mb=self.memory_mb,
