@@ -28,6 +28,7 @@ the earlier segments are kept token-exact in ``metadata["agent"]["earlier_segmen
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -85,6 +86,7 @@ class _EndpointDirs:
                 self._base, self._free, self._count, self._owner = (
                     tempfile.mkdtemp(prefix="posttrain-agents-"), [], 0, os.getpid())
                 os.chmod(self._base, 0o700)  # nobody else on the host reaches the sockets
+                atexit.register(shutil.rmtree, self._base, True)
             if self._free:
                 return self._free.pop()
             path = os.path.join(self._base, f"e{self._count}")
