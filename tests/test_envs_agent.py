@@ -167,6 +167,36 @@ def test_call_limit_is_the_models_truncation_not_infra(tmp_path, tiny_engine, ti
     assert trajectory.reward.failure is FailureClass.TRUNCATED and not trajectory.reward.is_infrastructure_failure
 
 
+@needs_bwrap
+@pytest.mark.bwrap
+def test_shipped_agent_runs_the_policys_tool_calls_and_is_judged_on_its_answer(tiny_tokenizer):
+    """The recipe's agent (data/blackbox_agent.py) with a scripted policy that calls the calculator, then answers
+    with the tool's result: the calls come back as OpenAI tool_calls, the echoed history continues one segment."""
+    import re
+    from pathlib import Path
+
+    from posttrain.tasks import get_domain, sample_tasks
+
+    agent = Path(__file__).resolve().parents[1] / "src" / "posttrain" / "recipes" / "data" / "blackbox_agent.py"
+    domain = get_domain("agent", command=["{python}", str(agent), "3"], tasks={"name": "calculator"}, max_calls=3)
+    task = sample_tasks(domain, 1, level=1, seed=2)[0]
+
+    def policy_turn(prompt: str, turn: int) -> str:
+        if turn == 0:
+            expression = re.search(r"What is ([0-9*]+)\?", prompt).group(1)
+            return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>%s' % (
+                expression, END)
+        return re.findall(r"[0-9]+", prompt)[-1] + END  # the tool's result, the last number shown
+
+    trajectory = asyncio.run(rollout_episode(ScriptedEngine(tiny_tokenizer, policy_turn), task, tiny_tokenizer,
+                                             SamplingParams(max_new_tokens=64)))
+    report = trajectory.metadata["agent"]
+    assert trajectory.reward.passed, (trajectory.reward, report)
+    assert (report["calls"], report["segments"], trajectory.steps) == (2, 1, 2)
+    assert [m["role"] for m in trajectory.messages] == ["user", "assistant", "tool", "assistant"]
+    assert trajectory.messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+
+
 NETWORK_PROBE = textwrap.dedent('''
     import os, socket, sys, urllib.request
     results = []
