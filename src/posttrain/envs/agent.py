@@ -225,6 +225,9 @@ class AgentEnv:
         if not result.ok and endpoint.limit_hit is None:
             driven.timed_out = str(result.status) == "timeout"
             what = "timed out" if driven.timed_out else f"failed ({result.status}, exit {result.exit_code})"
+            if endpoint.last_answer_at is not None:
+                idle = time.monotonic() - endpoint.last_answer_at
+                what += f" after {len(calls)} call(s), the last answered {idle:.1f} s before the end"
             driven.infra = ("infra", f"agent {what}: {result.stderr[-300:].strip()}")
         return driven
 

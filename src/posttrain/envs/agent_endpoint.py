@@ -89,6 +89,7 @@ class RecordingEndpoint:
     engine_error: str | None = None
     ignored_params: set[str] = field(default_factory=set)
     refused_calls: int = 0
+    last_answer_at: float | None = None  # time.monotonic() of the last completion served (for diagnostics)
 
     def __post_init__(self) -> None:
         self._parser = get_parser(self.parser)
@@ -163,6 +164,7 @@ class RecordingEndpoint:
                 self.segments.append(segment)
             self.calls.append(CallRecord(len(self.segments) - 1, prompt, completion, continued))
             self.completion_tokens += len(completion.token_ids)
+            self.last_answer_at = time.monotonic()
         return self._response(content, calls, completion, len(prompt))
 
     def _join(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> tuple[TranscriptTokens, bool]:
