@@ -136,7 +136,10 @@ class RecordingEndpoint:
             if budget <= 0:
                 raise self._limit("tokens", f"this episode's {self.limits.max_completion_tokens} completion "
                                             "tokens are spent")
-            segment, continued = self._join(messages, tools)
+            try:
+                segment, continued = self._join(messages, tools)
+            except EnvError as error:  # the template cannot render these messages: the request's fault
+                raise _Refusal(400, f"messages: the chat template cannot render them ({error})") from None
             prompt = list(segment.token_ids)
             room = (self.limits.max_context_tokens - len(prompt)) if self.limits.max_context_tokens else budget
             if room <= 0:
