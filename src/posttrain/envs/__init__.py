@@ -5,11 +5,14 @@
 
 `rollout_episode` builds the trajectory token-exactly (the engine's ids plus chat-template deltas for
 observations), verifies the env's final state with `posttrain.verify`, and labels failures (see
-`posttrain.envs.episode`). Environments (``single_turn``, ``tools``) and tools (``calculator``, ``list_files``,
+`posttrain.envs.episode`). Environments (``single_turn``, ``tools``, ``agent``: a black-box agent program run in
+the sandbox against a recording OpenAI endpoint, `posttrain.envs.agent`) and tools (``calculator``, ``list_files``,
 ``read_file``, ``write_file``, ``run_tests``) are registries a user extends with ``@environment`` and ``@tool``.
 """
 
 from posttrain.envs import single_turn as _single_turn  # noqa: F401  (registers "single_turn")
+from posttrain.envs.agent import AgentEnv, DrivenEpisode  # (registers "agent")
+from posttrain.envs.agent_endpoint import EndpointLimits, RecordingEndpoint
 from posttrain.envs import tool_env as _tool_env  # noqa: F401  (registers "tools")
 from posttrain.envs.base import (
     ENVIRONMENTS,
@@ -38,12 +41,16 @@ __all__ = [
     "PARSERS",
     "TOOLS",
     "Action",
+    "AgentEnv",
     "AsyncPolicy",
     "CalculatorError",
+    "DrivenEpisode",
+    "EndpointLimits",
     "EnvError",
     "Environment",
     "Observation",
     "ParsedTurn",
+    "RecordingEndpoint",
     "SingleTurnEnv",
     "StepResult",
     "SyncEnginePolicy",

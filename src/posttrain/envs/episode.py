@@ -66,6 +66,8 @@ class _Episode:
     timed_out: bool = False
     final_answer: str | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)  # an environment's own report (agents: calls, segments)
+    pending_infra: _Infra | None = None  # a driven episode that failed after its tokens were recorded
 
 
 async def rollout_episode(
@@ -183,9 +185,15 @@ async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_t
     try:
         env = make_environment(task, sandbox=sandbox, **({"parser": parser} if parser is not None else {}))
         observation = await env.reset(task)
-        tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs)
-        await _loop(policy, env, task, tokens, sampling, episode, deadline, _context_limit(max_context_tokens,
-                                                                                             tokenizer))
+        if callable(getattr(env, "drive", None)):  # a black-box agent: it calls the policy, not the loop
+            tokens = await _driven(env, policy, task, tokenizer, sampling, episode, deadline,
+                                   _context_limit(max_context_tokens, tokenizer), template_kwargs)
+        else:
+            tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs)
+            await _loop(policy, env, task, tokens, sampling, episode, deadline,
+                        _context_limit(max_context_tokens, tokenizer))
+        if episode.pending_infra is not None:
+            raise episode.pending_infra
         final_state = {**env.final_state(), "messages": tokens.messages, "trajectory_steps": episode.steps}
         reward = await _verify(task, final_state)
     except _Infra as error:
@@ -240,6 +248,18 @@ async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_
         if result.done:
             return
         tokens.add_observation(result.observation.messages)  # a full context is caught at the next turn
+
+
+async def _driven(env, policy, task, tokenizer, sampling, episode, deadline, context_limit, template_kwargs):
+    """An environment that drives the policy itself (`posttrain.envs.agent`): its recorded tokens and counts."""
+    driven = await env.drive(policy, task, tokenizer, sampling, deadline=deadline, max_context_tokens=context_limit,
+                             template_kwargs=template_kwargs)
+    episode.steps, episode.truncated, episode.timed_out = driven.steps, driven.truncated, driven.timed_out
+    episode.final_answer, episode.finish_reasons = driven.final_answer, list(driven.finish_reasons)
+    episode.metadata.update(driven.metadata)
+    if driven.infra is not None:
+        episode.pending_infra = _Infra(FailureClass(driven.infra[0]), driven.infra[1])
+    return driven.tokens
 
 
 async def _generate(policy, request, sampling):
@@ -311,6 +331,8 @@ def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, epi
         "finish_reasons": episode.finish_reasons,
         "split": task.metadata.get("split"),
     }
+    if episode.metadata:
+        metadata["agent"] = dict(episode.metadata)
     if reward.is_infrastructure_failure:
         # Belt and braces: a trainer that forgets to mask infrastructure failures still trains on nothing.
         metadata["policy_tokens_before_masking"] = sum(mask)

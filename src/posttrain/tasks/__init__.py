@@ -4,12 +4,13 @@
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
 Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
-``long_doc_qa``, ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
+``long_doc_qa``, ``agent`` (another domain's tasks done by a black-box agent program in the sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
 """
 
-from posttrain.tasks import arithmetic as _arithmetic  # noqa: F401  (each import registers its domain)
+from posttrain.tasks import agent as _agent  # noqa: F401  (each import registers its domain)
+from posttrain.tasks import arithmetic as _arithmetic  # noqa: F401
 from posttrain.tasks import calculator as _calculator  # noqa: F401
 from posttrain.tasks import code as _code  # noqa: F401
 from posttrain.tasks import dataset as _dataset  # noqa: F401

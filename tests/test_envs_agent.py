@@ -1,0 +1,362 @@
+"""Black-box agents: programs written with the official `openai` client, run in bubblewrap against the recording
+endpoint of a tiny model (or a scripted policy), judged on their final state, their calls recorded token-exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import textwrap
+import threading
+
+import pytest
+from test_envs_scripted import ScriptedEngine
+from test_envs_tools import needs_bwrap
+
+from posttrain.envs import EndpointLimits, RecordingEndpoint, as_policy, rollout_episode
+from posttrain.types import FailureClass, Reward, SamplingParams, Task
+from posttrain.verify import register_verifier
+
+END = "<|end|>"
+SAMPLING = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+# A multi-turn tool loop as people write them: call the model with tools, run the calls it makes, send the
+# results back (echoing the assistant message as the client returned it), ask again when it made none.
+TOOL_LOOP_AGENT = textwrap.dedent('''
+    import json, os, sys
+    from openai import OpenAI
+
+    client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the episode
+    task = json.load(open(os.environ["POSTTRAIN_TASK"]))
+    messages = list(task["messages"])
+    tools = json.loads(sys.argv[1])
+    turns, crash_after = int(sys.argv[2]), int(sys.argv[3])
+    for turn in range(turns):
+        reply = client.chat.completions.create(model="anything", messages=messages, tools=tools, max_tokens=12)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if turn + 1 == crash_after:
+            raise RuntimeError("the agent's own bug, half way through")
+        if message.tool_calls:
+            for call in message.tool_calls:
+                expression = json.loads(call.function.arguments)["expression"]
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression, {}))})
+        else:
+            messages.append({"role": "user", "content": "Use the calculator, then answer."})
+    with open("answer.txt", "w") as handle:
+        handle.write(str(6 * 7))
+    print("done after", turns, "calls")
+''')
+
+
+def _answer_file_verifier(completion: str, expected: str, *, final_state=None) -> Reward:
+    """Judges the agent's work dir, never what it printed."""
+    files = (final_state or {}).get("files") or {}
+    found = files.get("answer.txt", "").strip()
+    passed = found == expected
+    return Reward(float(passed), passed, FailureClass.NONE if passed else FailureClass.WRONG_ANSWER,
+                  details={"found": found})
+
+
+register_verifier("test_answer_file", _answer_file_verifier, replace=True, blocking=False)
+
+
+class RecordingEngine:
+    """A real engine, with every request and completion it served kept for the assertions."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.served: list[tuple[list[int], object]] = []
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def update_weights(self, state, version: int) -> None:
+        self.engine.update_weights(state, version)
+
+    def generate(self, requests, sampling):
+        results = self.engine.generate(requests, sampling)
+        for request, completions in zip(requests, results):
+            self.served.append((list(request.prompt_token_ids), completions[0]))
+        return results
+
+
+def _task(script, tools, turns: int, crash_after: int = 0, expected: str = "42", **env_args) -> Task:
+    command = ["{python}", str(script), json.dumps(tools), str(turns), str(crash_after)]
+    return Task(id="agent-1", domain="agent", messages=[{"role": "user", "content": "What is 6*7?"}],
+                verifier="test_answer_file", verifier_args={"expected": expected}, env="agent",
+                env_args={"command": command, **env_args}, timeout_s=90)
+
+
+@pytest.fixture()
+def tiny_engine(tiny_model, tiny_tokenizer):
+    from posttrain.rollout import HFEngine
+
+    return RecordingEngine(HFEngine(tiny_model, tiny_tokenizer, policy_version=5))
+
+
+def _run(engine, task, tokenizer):
+    return asyncio.run(rollout_episode(engine, task, tokenizer, SAMPLING))
+
+
+def _tool_loop(tmp_path, engine, tokenizer, turns: int, **task_args):
+    """One episode of the openai-client tool loop agent."""
+    script = tmp_path / "agent.py"
+    script.write_text(TOOL_LOOP_AGENT)
+    return _run(engine, _task(script, [CALCULATOR], turns=turns, **task_args), tokenizer)
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_openai_tool_loop_agent_is_recorded_token_exactly(tmp_path, tiny_engine, tiny_tokenizer):
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=3)
+
+    assert trajectory.reward.passed and trajectory.reward.failure is FailureClass.NONE, trajectory.reward
+    report = trajectory.metadata["agent"]
+    assert (trajectory.steps, report["calls"], report["segments"], report["exit_code"]) == (3, 3, 1, 0)
+    assert "done after 3 calls" in trajectory.metadata["final_answer"]
+    served = tiny_engine.served
+    assert len(served) == 3
+    ids, mask = trajectory.token_ids, trajectory.loss_mask
+    # Every call's prompt is the trajectory so far, and its completion follows it verbatim: one sequence.
+    for prompt, completion in served:
+        end = len(prompt) + len(completion.token_ids)
+        assert ids[:len(prompt)] == prompt
+        assert ids[len(prompt):end] == completion.token_ids
+        assert mask[len(prompt):end] == [1] * len(completion.token_ids)
+        assert trajectory.behaviour_logprobs[len(prompt):end] == completion.logprobs
+        assert set(trajectory.policy_versions[len(prompt):end]) == {5}
+    # The policy's tokens are exactly the sampled ones; the agent's messages between them are masked observations.
+    assert [t for t, m in zip(ids, mask) if m] == [t for _, c in served for t in c.token_ids]
+    first_end = len(served[0][0]) + len(served[0][1].token_ids)
+    assert len(served[1][0]) > first_end and set(mask[first_end:len(served[1][0])]) == {0}
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_wrong_final_state_is_the_models_failure_not_infra(tmp_path, tiny_engine, tiny_tokenizer):
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=1, expected="41")
+
+    assert trajectory.reward.failure is FailureClass.WRONG_ANSWER and trajectory.reward.score == 0.0
+    assert not trajectory.reward.is_infrastructure_failure and trajectory.policy_tokens > 0
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_agent_that_crashes_half_way_is_an_infrastructure_failure(tmp_path, tiny_engine, tiny_tokenizer):
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=4, crash_after=2)
+
+    assert trajectory.reward.failure is FailureClass.INFRA and trajectory.reward.is_infrastructure_failure
+    assert "the agent's own bug" in trajectory.reward.details["error"]
+    assert trajectory.metadata["agent"]["calls"] == 2 and len(tiny_engine.served) == 2
+    # Recorded, then masked: nothing of a crashed episode is trained on.
+    assert trajectory.metadata["policy_tokens_before_masking"] > 0 and sum(trajectory.loss_mask) == 0
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_call_limit_is_the_models_truncation_not_infra(tmp_path, tiny_engine, tiny_tokenizer):
+    trajectory = _tool_loop(tmp_path, tiny_engine, tiny_tokenizer, turns=5, max_calls=2)
+
+    assert trajectory.metadata["agent"]["limit_hit"] == "calls" and trajectory.steps == 2
+    assert trajectory.reward.failure is FailureClass.TRUNCATED and not trajectory.reward.is_infrastructure_failure
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_shipped_agent_runs_the_policys_tool_calls_and_is_judged_on_its_answer(tiny_tokenizer):
+    """The recipe's agent (data/blackbox_agent.py) with a scripted policy that calls the calculator, then answers
+    with the tool's result: the calls come back as OpenAI tool_calls, the echoed history continues one segment."""
+    import re
+    from pathlib import Path
+
+    from posttrain.tasks import get_domain, sample_tasks
+
+    agent = Path(__file__).resolve().parents[1] / "src" / "posttrain" / "recipes" / "data" / "blackbox_agent.py"
+    domain = get_domain("agent", command=["{python}", str(agent), "3"], tasks={"name": "calculator"}, max_calls=3)
+    task = sample_tasks(domain, 1, level=1, seed=2)[0]
+
+    def policy_turn(prompt: str, turn: int) -> str:
+        if turn == 0:
+            expression = re.search(r"What is ([0-9*]+)\?", prompt).group(1)
+            return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>%s' % (
+                expression, END)
+        return re.findall(r"[0-9]+", prompt)[-1] + END  # the tool's result, the last number shown
+
+    trajectory = asyncio.run(rollout_episode(ScriptedEngine(tiny_tokenizer, policy_turn), task, tiny_tokenizer,
+                                             SamplingParams(max_new_tokens=64)))
+    report = trajectory.metadata["agent"]
+    assert trajectory.reward.passed, (trajectory.reward, report)
+    assert (report["calls"], report["segments"], trajectory.steps) == (2, 1, 2)
+    assert [m["role"] for m in trajectory.messages] == ["user", "assistant", "tool", "assistant"]
+    assert trajectory.messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+
+
+NETWORK_PROBE = textwrap.dedent('''
+    import os, socket, sys, urllib.request
+    results = []
+    for host, port in [("127.0.0.1", int(sys.argv[1])), (sys.argv[2], int(sys.argv[1])), ("1.1.1.1", 443)]:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            results.append(f"{host}:reached")
+        except OSError as error:
+            results.append(f"{host}:{type(error).__name__}")
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/models",
+                                     headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    results.append("endpoint:" + str(urllib.request.urlopen(request, timeout=5).status))
+    print(" ".join(results))
+''')
+
+
+def _host_address() -> str:
+    """An address of this machine other than loopback (the jail must not reach it either)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.2"
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_the_jail_reaches_only_its_endpoint(tmp_path, tiny_tokenizer):
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    script = tmp_path / "probe.py"
+    script.write_text(NETWORK_PROBE)
+    port, host = server.getsockname()[1], _host_address()
+    task = Task(id="probe", domain="agent", messages=[{"role": "user", "content": "hi"}], verifier="exact",
+                verifier_args={"answer": "unused"}, env="agent",
+                env_args={"command": ["{python}", str(script), str(port), host]}, timeout_s=60)
+    engine = ScriptedEngine(tiny_tokenizer, ["unused" + END])
+    trajectory = asyncio.run(rollout_episode(engine, task, tiny_tokenizer, SAMPLING))
+    server.close()
+
+    printed = trajectory.metadata["final_answer"]
+    assert "endpoint:200" in printed  # the one way out works
+    assert "127.0.0.1:ConnectionRefusedError" in printed  # the jail's loopback is its own, not the host's
+    assert f"{host}:reached" not in printed and "1.1.1.1:reached" not in printed and not accepted
+
+
+# ---- the endpoint itself: joining calls into segments, limits, refusals (no jail) --------------------------
+
+
+def _endpoint(tokenizer, script, **limits) -> RecordingEndpoint:
+    engine = ScriptedEngine(tokenizer, script)
+    return RecordingEndpoint(as_policy(engine), tokenizer, SamplingParams(max_new_tokens=64),
+                             EndpointLimits(**limits), api_key="k")
+
+
+def _post(endpoint, body) -> tuple[int, dict]:
+    status, _, payload = asyncio.run(endpoint.handle("POST", "/v1/chat/completions",
+                                                     {"authorization": "Bearer k"}, json.dumps(body).encode()))
+    return status, json.loads(payload)
+
+
+def test_resent_turns_continue_the_segment_with_the_sampled_ids(tiny_tokenizer):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    endpoint = _endpoint(tiny_tokenizer, [call + END, "42" + END])
+
+    async def conversation():
+        first = json.loads((await endpoint.handle("POST", "/v1/chat/completions", {"authorization": "Bearer k"},
+                                                  json.dumps({"model": "m", "tools": [CALCULATOR], "messages": [
+                                                      {"role": "user", "content": "6*7?"}]}).encode()))[2])
+        message = first["choices"][0]["message"]
+        assert first["choices"][0]["finish_reason"] == "tool_calls"
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"expression": "6*7"}
+        # the agent re-sends the call with other JSON spacing and its own call id: still the recorded turn
+        message["tool_calls"][0]["function"]["arguments"] = '{ "expression" :"6*7" }'
+        message["tool_calls"][0]["id"] = "mine"
+        second = await endpoint.handle("POST", "/v1/chat/completions", {"authorization": "Bearer k"}, json.dumps({
+            "model": "m", "tools": [CALCULATOR], "temperature": 0.2, "messages": [
+                {"role": "user", "content": "6*7?"}, message,
+                {"role": "tool", "tool_call_id": "mine", "content": "42"}]}).encode())
+        return json.loads(second[2])
+
+    second = asyncio.run(conversation())
+    assert second["choices"][0]["message"]["content"] == "42"
+    assert len(endpoint.segments) == 1 and [c.continued for c in endpoint.calls] == [False, True]
+    segment = endpoint.segments[0]
+    first_ids = endpoint.calls[0].completion.token_ids
+    start = segment.prompt_length
+    assert segment.token_ids[start:start + len(first_ids)] == first_ids  # never re-tokenized from the echo
+    assert endpoint.calls[1].prompt_token_ids == segment.token_ids[:len(endpoint.calls[1].prompt_token_ids)]
+    assert endpoint.ignored_params == {"temperature"}
+
+
+def test_an_edited_history_starts_a_new_segment(tiny_tokenizer):
+    endpoint = _endpoint(tiny_tokenizer, ["one" + END, "two" + END])
+    assert _post(endpoint, {"model": "m", "messages": [{"role": "user", "content": "a"}]})[0] == 200
+    status, _ = _post(endpoint, {"model": "m", "messages": [{"role": "user", "content": "a, edited"},
+                                                            {"role": "assistant", "content": "one"},
+                                                            {"role": "user", "content": "b"}]})
+    assert status == 200 and len(endpoint.segments) == 2
+    assert [c.continued for c in endpoint.calls] == [False, False]
+
+
+def test_limits_and_unsupported_requests_are_refused_by_name(tiny_tokenizer):
+    endpoint = _endpoint(tiny_tokenizer, ["x" * 40 + END], max_calls=1, max_completion_tokens=1000)
+    messages = [{"role": "user", "content": "a"}]
+    assert _post(endpoint, {"model": "m", "messages": messages, "n": 2})[1]["error"]["message"].startswith("n:")
+    assert "tool_choice" in _post(endpoint, {"model": "m", "messages": messages, "tool_choice": "required",
+                                             "tools": [CALCULATOR]})[1]["error"]["message"]
+    assert "bogus" in _post(endpoint, {"model": "m", "messages": messages, "bogus": 1})[1]["error"]["message"]
+    assert _post(endpoint, {"model": "m", "messages": messages, "max_tokens": 5})[1]["usage"]["completion_tokens"] == 5
+    status, body = _post(endpoint, {"model": "m", "messages": messages})
+    assert status == 400 and body["error"]["code"] == "posttrain_limit" and endpoint.limit_hit == "calls"
+    wrong_key = asyncio.run(endpoint.handle("GET", "/v1/models", {"authorization": "Bearer nope"}, b""))
+    assert wrong_key[0] == 401
+
+
+# ---- the agent domain ---------------------------------------------------------------------------------------
+
+
+def test_agent_domain_wraps_another_domains_tasks(tmp_path):
+    import random
+
+    from posttrain.tasks import TaskError, get_domain
+
+    script = tmp_path / "agent.py"
+    script.write_text("print(1)")
+    domain = get_domain("agent", command=["{python}", str(script)], tasks={"name": "calculator"}, max_calls=3)
+    inner = get_domain("calculator").make_task(random.Random(0), 2)
+    task = domain.make_task(random.Random(0), 2)
+    assert (task.env, task.domain, task.messages, task.verifier_args) == ("agent", "agent", inner.messages,
+                                                                           inner.verifier_args)
+    assert task.env_args["command"] == ["{python}", str(script)] and task.env_args["max_calls"] == 3
+    assert task.metadata["problem_key"] == inner.metadata["problem_key"]  # the same train / held-out split
+    assert domain.demonstration(task).messages[-1]["content"] == inner.metadata["answer"]
+    with pytest.raises(TaskError, match=r"command\[1\]: /nonexistent/agent.py does not exist"):
+        get_domain("agent", command=["{python}", "/nonexistent/agent.py"], tasks={"name": "calculator"})
+    with pytest.raises(TaskError, match="max_calls must be a positive number"):
+        get_domain("agent", command=["true"], tasks={"name": "calculator"}, max_calls=0)
+    with pytest.raises(TaskError, match="tasks must be"):
+        get_domain("agent", command=["true"], tasks="calculator")
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_agent_blackbox_recipe_runs_one_step(tmp_path, monkeypatch):
+    """The packaged recipe end to end: the shipped OpenAI-client agent in jails, judged, one GRPO step."""
+    from posttrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["rl", "grpo-agent-blackbox", "train.max_steps=1", "rollout.prompts_per_step=1",
+                 "rollout.sampling.group_size=2", "model.preset=tiny-1m", "runtime.num_threads=1",
+                 f"output_dir={tmp_path / 'run'}"]) == 0
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert episodes and all(e["domain"] == "agent" and e["details"].get("verifier") == "exact" for e in episodes)
+    assert not any(e["failure"] in ("infra", "sandbox_failure") for e in episodes)
+    assert (tmp_path / "run" / "final" / "config.json").is_file()
