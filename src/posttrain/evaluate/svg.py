@@ -128,12 +128,7 @@ def bar_chart(categories: Sequence[str], series: Sequence[tuple[str, Sequence[fl
     def sy(v: float) -> float:
         return top + (1 - v / high) * plot_h
 
-    body = []
-    for tick in ticks:
-        body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
-                    f'stroke="#e6e8ee"/>')
-        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
-                    f'{fmt(tick, fraction)}</text>')
+    body = _y_grid(ticks, sy, left, width - right, fraction)
     step = (width - left - right) / groups
     for g, category in enumerate(categories):
         x0 = left + g * step + (step - per_group * bar_w) / 2
@@ -199,12 +194,7 @@ def scatter_chart(points: Sequence[tuple[str, float, float]], *, label: str, x_l
     def sy(y: float) -> float:
         return top + (1 - (y - y_low) / (y_high - y_low)) * plot_h
 
-    body = []
-    for tick in y_ticks:
-        body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
-                    f'stroke="#e6e8ee"/>')
-        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
-                    f'{fmt(tick, fraction)}</text>')
+    body = _y_grid(y_ticks, sy, left, width - right, fraction)
     for tick in x_ticks:
         body.append(f'<text x="{sx(tick):.1f}" y="{top + plot_h + 14}" text-anchor="middle" {FONT}>{fmt(tick)}</text>')
     body.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#9aa1ad"/>')
@@ -220,6 +210,16 @@ def scatter_chart(points: Sequence[tuple[str, float, float]], *, label: str, x_l
         body.append(f'<text x="{sx(x) + dx:.1f}" y="{sy(y) - 7:.1f}" text-anchor="{anchor}" {FONT}>'
                     f'{_escape(name)}</text>')
     return _frame(width, height, label, body)
+
+
+def _y_grid(ticks: Sequence[float], sy, left: float, right_x: float, fraction: bool) -> list[str]:
+    """A horizontal grid line and a label at the left for each y tick."""
+    body = []
+    for tick in ticks:
+        body.append(f'<line x1="{left}" x2="{right_x}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" stroke="#e6e8ee"/>')
+        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
+                    f'{fmt(tick, fraction)}</text>')
+    return body
 
 
 def _value(value: float, fraction: bool) -> str:
