@@ -16,7 +16,8 @@ same 16 held-out prompts, one request at a time, 32 new tokens at most, the tier
 - int8 and int4: torchao weight-only tensors through the model's own forward.
 
 ``ratio`` = int8 tokens/s over fp32 (fast); ``ratio_same_runner`` = int8 over fp32 (generic);
-``accuracy_delta`` = int8 pass@1 minus fp32's. Ends with exactly one JSON line.
+``accuracy_delta`` = int8 pass@1 minus fp32's. Ends with exactly one JSON line. About 10 minutes on a 2-core
+machine at load 15 (the SFT steps are most of it; `--steps 100` shortens it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    bench_started = time.perf_counter()
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -137,7 +139,7 @@ def main() -> None:
         "int4_ratio": round(rows["int4"]["tokens_per_s"] / rows["fp32"]["tokens_per_s"], 3),
         "accuracy_delta": round(accuracy["int8"] - accuracy["fp32"], 4),
         "int4_accuracy_delta": round(accuracy["int4"] - accuracy["fp32"], 4),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.perf_counter() - bench_started), "loadavg": [round(x, 2) for x in os.getloadavg()],
     }))
 
 

@@ -136,3 +136,32 @@ def test_loading_a_quantized_checkpoint_without_torchao_names_the_fix(int8_dir, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ModelError, match=r"torchao-quantized checkpoint.*pip install 'posttrain\[quantize\]'"):
         load_model(ModelConfig(path=str(int8_dir)), tiny_tokenizer)
+
+
+def test_a_lora_adapter_is_merged_then_quantized(tmp_path, tiny_tokenizer, float_dir):
+    import copy
+
+    from posttrain.config import LoraConfig
+    from posttrain.models import apply_lora, export_model, merged_copy
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(float_dir)
+    model = apply_lora(copy.deepcopy(base), LoraConfig(enabled=True, r=4))
+    with torch.no_grad():  # a trained adapter: it changes the model
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    model.peft_config["default"].base_model_name_or_path = str(float_dir)
+    model.save_pretrained(tmp_path / "adapter")
+    tiny_tokenizer.save_pretrained(tmp_path / "adapter")
+
+    quantized = quantize_checkpoint(tmp_path / "adapter", tmp_path / "adapter-int8", to="int8")
+    exported = export_model(tmp_path / "adapter", tmp_path / "merged")
+    by_hand = quantize_checkpoint(exported, tmp_path / "merged-int8", to="int8")
+    ids = _ids(tiny_tokenizer)
+    with torch.inference_mode():
+        merged, plain = merged_copy(model).eval()(ids).logits, base.eval()(ids).logits
+    got = _logits(quantized, ids)
+    assert (got - merged).abs().max() < (got - plain).abs().max()  # the adapter's change is in the weights
+    torch.testing.assert_close(got, _logits(by_hand, ids), rtol=0, atol=0)  # = export, then quantize
+    assert not any(p.name.startswith(".quantize-") for p in tmp_path.iterdir())  # the merge scratch is gone

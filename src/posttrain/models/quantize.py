@@ -51,16 +51,16 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, *, to: str,
     source, destination = Path(source), Path(destination)
     if destination.resolve() == source.resolve() or destination.resolve() in source.resolve().parents:
         raise ModelError(f"{destination}: the destination would replace what is quantized ({source})")
-    config_file = torchao_config(to, group_size)
+    scheme = torchao_config(to, group_size)
     model_dir, adapter_dir = resolve_export_source(source)
     _check_quantizable(model_dir, to, group_size)
-    with tempfile.TemporaryDirectory(prefix=".quantize-", dir=destination.parent if destination.parent.is_dir()
-                                     else None) as scratch:
+    scratch_parent = destination.parent if destination.parent.is_dir() else None  # a merge beside the result
+    with tempfile.TemporaryDirectory(prefix=".quantize-", dir=scratch_parent) as scratch:
         if adapter_dir is not None:  # merge the adapter first: torchao quantizes the merged weights
             model_dir = export_model(source, Path(scratch) / "merged")
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32, quantization_config=TorchAoConfig(config_file))
+                model_dir, dtype=torch.float32, quantization_config=TorchAoConfig(scheme))
         except RuntimeError as error:
             raise ModelError(f"{model_dir}: torchao could not quantize it to {to} on this machine "
                              f"({_first_line(error)})") from None
@@ -68,7 +68,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, *, to: str,
         save_model_dir(destination, model, tokenizer, merge_lora=False)
     _write_record(destination, {"target": to, "group_size": group_size if to == "int4" else None,
                                 "library": "torchao", "library_version": _torchao_version(),
-                                "config": type(config_file).__name__, "source": str(source)})
+                                "config": type(scheme).__name__, "source": str(source)})
     return destination
 
 
