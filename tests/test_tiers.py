@@ -66,7 +66,7 @@ def test_tier_schema_checks_labels_suites_and_emptiness():
     assert recipe.checkpoints == [] and recipe.tiers.models[0].engine.runner == "auto"
 
 
-def test_a_checkpoint_and_its_int8_quantization_as_tiers(tmp_path, tiny_tokenizer, tiny_model):
+def test_a_checkpoint_and_its_int8_quantization_as_tiers(tmp_path, tiny_tokenizer, tiny_model, capsys):
     pytest.importorskip("torchao")
     from posttrain.models import quantize_checkpoint, save_model_dir
 
@@ -92,6 +92,11 @@ def test_a_checkpoint_and_its_int8_quantization_as_tiers(tmp_path, tiny_tokenize
     html = result.report_path.read_text()
     assert '<section id="tiers">' in html and 'href="#tiers"' in html
     assert "accuracy against tokens/s" in html and "accuracy against p50 latency" in html
+    from posttrain.evaluate import print_results
+
+    print_results(result.results)
+    printed = capsys.readouterr().err  # the console is stderr
+    assert "tiers (against standard)" in printed and "1.00x" in printed and "generic" in printed
 
 
 def test_an_engine_option_the_engine_does_not_take_is_named(tmp_path, tiny_tokenizer, tiny_model):
