@@ -430,7 +430,8 @@ def _tiers(view: _View) -> str:
                                 y_label="accuracy", colors=view.colors)
     latency_chart = scatter_chart(by_latency, label="accuracy against p50 latency", x_label="p50 latency (ms)",
                                   y_label="accuracy", colors=view.colors)
-    charts = f'<div class="grid"><div class="panel">{speed_chart}</div><div class="panel">{latency_chart}</div></div>'
+    charts = (f'<div class="grid" style="margin-top:16px"><div class="panel">{speed_chart}</div>'
+              f'<div class="panel">{latency_chart}</div></div>')
 
     settings = table.get("settings") or {}
     suites = ", ".join(table.get("accuracy_suites") or []) or "–"

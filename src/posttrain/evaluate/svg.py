@@ -175,15 +175,21 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], classes: Sequence[s
 
 
 def scatter_chart(points: Sequence[tuple[str, float, float]], *, label: str, x_label: str, y_label: str,
-                  fraction: bool = True, width: int = 420, height: int = 250,
+                  fraction: bool = True, width: int = 540, height: int = 250,
                   colors: dict[str, str] | None = None) -> str:
-    """Named (x, y) points, each a dot with its name beside it; y in [0, 1] when `fraction`. The x axis starts at
-    0, so distances along it compare as ratios (a tier twice as fast sits twice as far out)."""
+    """Named (x, y) points, each a dot with its name beside it; y a fraction when `fraction` (the axis from a
+    little below the lowest point to 100%). The x axis starts at 0, so distances along it compare as ratios (a
+    tier twice as fast sits twice as far out)."""
     if not points:
         return _frame(width, 40, label, [f'<text x="8" y="24" {FONT}>no data</text>'])
     x_high = max(p[1] for p in points) * 1.15 or 1.0
-    y_low, y_high = (0.0, 1.0) if fraction else (0.0, max(p[2] for p in points) * 1.1 or 1.0)
+    ys = [p[2] for p in points]
+    if fraction:  # tiers differ by points of accuracy: the axis spans what is there (and up to 100%)
+        y_low, y_high = max(0.0, min(ys) - max(0.1, (max(ys) - min(ys)) * 0.5)), 1.0
+    else:
+        y_low, y_high = 0.0, max(ys) * 1.1 or 1.0
     x_ticks, y_ticks = nice_ticks(0.0, x_high, 5), nice_ticks(y_low, y_high, 5)
+    y_low = min(y_low, y_ticks[0])
     x_high, y_high = max(x_high, x_ticks[-1]), max(y_high, y_ticks[-1])
     left, right, top, bottom = 46, 14, 12, 40
     plot_w, plot_h = width - left - right, height - top - bottom
