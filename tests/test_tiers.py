@@ -136,3 +136,38 @@ def test_the_packaged_tiers_recipe_validates():
     recipe = load_recipe(packaged_recipe("eval-tiers"))
     assert isinstance(recipe, EvalRecipe) and [t.kind for t in recipe.tiers.models] == [
         "standard", "quantized", "quantized"]
+
+
+@pytest.mark.chromium
+def test_chromium_lays_out_the_tier_table_and_plots(tmp_path):
+    import json
+    import re
+    import subprocess
+
+    from test_report import CHROMIUM, CHROMIUM_FLAGS
+
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium")
+    rows = [{"label": name, "kind": kind, "accuracy": accuracy, "tokens_per_s": speed, "p50_latency_ms": 1000 / speed,
+             "p90_latency_ms": 1100 / speed, "ms_per_token": 30 / speed, "runner": "fast",
+             "engine": {"runner": "auto", "options": {}}}
+            for name, kind, accuracy, speed in [("standard", "standard", 0.9, 50.0), ("int8", "quantized", 0.88, 20.0)]]
+    results = {"checkpoints": [{"label": r["label"], "path": "x"} for r in rows],
+               "tiers": tier_table(rows, EvalTiers(), ["arithmetic"])}
+    measure = """<script>
+    const box = e => { const r = e.getBoundingClientRect(); return [Math.round(r.width), Math.round(r.height)]; };
+    const section = document.getElementById('tiers');
+    const out = {table: box(section.querySelector('table')), svgs: [...section.querySelectorAll('svg')].map(box),
+                 dots: [...section.querySelectorAll('svg circle')].map(box)};
+    const pre = document.createElement('pre'); pre.id = 'measured'; pre.textContent = JSON.stringify(out);
+    document.body.appendChild(pre);
+    </script>"""
+    page = tmp_path / "tiers.html"
+    page.write_text(render_report(results).replace("</body>", measure + "</body>"))
+    dom = subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=180, check=False).stdout
+    measured = json.loads(re.search(r'<pre id="measured">(.*?)</pre>', dom, re.DOTALL).group(1)
+                          .replace("&quot;", '"'))
+    assert measured["table"][0] > 300 and measured["table"][1] > 60
+    assert len(measured["svgs"]) == 2 and all(w > 300 and h > 150 for w, h in measured["svgs"])
+    assert len(measured["dots"]) == 4 and all(w >= 8 for w, _ in measured["dots"])  # drawn, not collapsed
