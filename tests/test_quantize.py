@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from posttrain.config import ModelConfig
-from posttrain.models import ModelError, build_tiny_model, load_model, load_tokenizer, quantization_of, \
-    quantize_checkpoint, save_model_dir
+from posttrain.models import (
+    ModelError,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    quantization_of,
+    quantize_checkpoint,
+    save_model_dir,
+)
 from posttrain.rollout import HFEngine, RolloutError
 from posttrain.types import GenerationRequest, SamplingParams
 
@@ -139,21 +146,13 @@ def test_loading_a_quantized_checkpoint_without_torchao_names_the_fix(int8_dir, 
 
 
 def test_a_lora_adapter_is_merged_then_quantized(tmp_path, tiny_tokenizer, float_dir):
-    import copy
-
-    from posttrain.config import LoraConfig
-    from posttrain.models import apply_lora, export_model, merged_copy
+    from test_export import save_trained_adapter
     from transformers import AutoModelForCausalLM
 
+    from posttrain.models import export_model, merged_copy
+
     base = AutoModelForCausalLM.from_pretrained(float_dir)
-    model = apply_lora(copy.deepcopy(base), LoraConfig(enabled=True, r=4))
-    with torch.no_grad():  # a trained adapter: it changes the model
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.5)
-    model.peft_config["default"].base_model_name_or_path = str(float_dir)
-    model.save_pretrained(tmp_path / "adapter")
-    tiny_tokenizer.save_pretrained(tmp_path / "adapter")
+    model = save_trained_adapter(base, float_dir, tiny_tokenizer, tmp_path / "adapter")
 
     quantized = quantize_checkpoint(tmp_path / "adapter", tmp_path / "adapter-int8", to="int8")
     exported = export_model(tmp_path / "adapter", tmp_path / "merged")
