@@ -24,17 +24,24 @@ from posttrain.models.export import export_model
 from posttrain.models.reward import STATS_FILE
 
 
-def test_an_adapter_is_merged_into_its_local_base(tmp_path, tiny_tokenizer):
-    base = build_tiny_model("tiny-1m", tiny_tokenizer, seed=1)
-    base_dir = save_model_dir(tmp_path / "base", base, tiny_tokenizer)
+def save_trained_adapter(base, base_dir, tokenizer, directory):
+    """A LoRA adapter on `base` (saved at `base_dir`) with random B matrices, so that it changes the model, saved
+    with the tokenizer at `directory`; returns the PEFT model."""
     model = apply_lora(copy.deepcopy(base), LoraConfig(enabled=True, r=4))
-    with torch.no_grad():  # a trained adapter: it changes the model
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.5)
     model.peft_config["default"].base_model_name_or_path = str(base_dir)
-    model.save_pretrained(tmp_path / "adapter")
-    tiny_tokenizer.save_pretrained(tmp_path / "adapter")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+def test_an_adapter_is_merged_into_its_local_base(tmp_path, tiny_tokenizer):
+    base = build_tiny_model("tiny-1m", tiny_tokenizer, seed=1)
+    base_dir = save_model_dir(tmp_path / "base", base, tiny_tokenizer)
+    model = save_trained_adapter(base, base_dir, tiny_tokenizer, tmp_path / "adapter")
 
     assert cli_main(["export", str(tmp_path / "adapter"), str(tmp_path / "out")]) == 0
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))

@@ -38,6 +38,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "serve": ("an OpenAI-compatible HTTP API on a checkpoint (continuous batching)", "posttrain.cli.serving:serve"),
     "chat": ("an interactive terminal chat with a checkpoint", "posttrain.cli.serving:chat"),
     "export": ("a run's model as plain safetensors: LoRA merged, dtype cast", "posttrain.cli.export:main"),
+    "quantize": ("weight-only int8 / int4 quantization of a checkpoint (torchao)", "posttrain.cli.quantize:main"),
 }
 
 
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--source", default=None, help="metadata.source (default: the episodes file)")
         elif name == "export":
             from posttrain.cli.export import add_arguments
+
+            add_arguments(sub)
+        elif name == "quantize":
+            from posttrain.cli.quantize import add_arguments
 
             add_arguments(sub)
         elif name == "recipes":

@@ -6,6 +6,10 @@ Suites: a generated domain's held-out split (``suites.generated``; a fresh draw 
 ``fresh_draw.enabled``), a user JSONL / Parquet / saved Hugging Face dataset judged by a verifier through the
 tasks room's ``dataset`` adapter (``suites.datasets``), and regression suites: a fixed JSONL of tasks
 (``Task.to_dict()`` lines) with an optional pass-rate floor (``suites.regression``).
+
+Tiers (``tiers.models``): checkpoints with the engine settings they are served with (standard, distilled,
+speculative, quantized), each evaluated like a checkpoint and timed on the same prompts; the report's tier table
+puts held-out accuracy against tokens/s and p50 latency.
 """
 
 from __future__ import annotations
@@ -148,6 +152,39 @@ class EvalTrainingRun(Section):
     label: str | None = None
 
 
+class TierEngine(Section):
+    """How a tier's engine runs, for its eval episodes and its speed measurement alike.
+
+    `options` are further `HFEngine` keyword arguments: the hook through which an engine feature (speculative
+    decoding's settings, once the engine takes them) becomes a tier without a schema change here. A key the
+    engine does not take is an error naming it."""
+
+    runner: Literal["auto", "fast", "generic"] = "auto"
+    options: dict[str, Any] = {}
+
+
+class EvalTier(Section):
+    """One row of the tier table: a checkpoint (`path`) and the engine settings it is served with."""
+
+    label: str
+    path: str
+    kind: Literal["standard", "distilled", "speculative", "quantized"] = "standard"
+    engine: TierEngine = TierEngine()
+
+
+class EvalTiers(Section):
+    """The tier table: each tier runs every suite (its accuracy: held-out pass@1) and is timed on the same
+    `prompts` held-out prompts, one request at a time, greedy, `max_new_tokens` each, `repeats` times after
+    `warmup` untimed passes. Speed-up and accuracy change are against the first tier of kind ``standard``."""
+
+    models: list[EvalTier] = []
+    suite: str | None = None  # accuracy: pass@1 on this suite (default: the mean over held-out and dataset suites)
+    prompts: int = Field(16, gt=0)
+    max_new_tokens: int = Field(32, gt=0)
+    repeats: int = Field(3, gt=0)
+    warmup: int = Field(1, ge=0)
+
+
 class EvalReport(Section):
     title: str = "posttrain evaluation"
     training_runs: list[EvalTrainingRun] = []
@@ -159,13 +196,14 @@ class EvalRecipe(Section):
     stage: Literal["eval"] = "eval"
     imports: list[str] = []  # your modules / .py files, imported first in every process (posttrain.usercode)
     output_dir: str = "runs/eval"
-    checkpoints: list[EvalCheckpoint] = Field(min_length=1)
+    checkpoints: list[EvalCheckpoint] = []
     suites: EvalSuites = EvalSuites()
     sampling: EvalSampling = EvalSampling()
     contamination: EvalContamination = EvalContamination()
     fresh_draw: EvalFreshDraw = EvalFreshDraw()
     runtime: EvalRuntime = EvalRuntime()
     report: EvalReport = EvalReport()
+    tiers: EvalTiers = EvalTiers()
 
     @field_validator("checkpoints", mode="before")
     @classmethod
@@ -177,11 +215,15 @@ class EvalRecipe(Section):
 
     @model_validator(mode="after")
     def _names_unique(self):
-        names = [c.name for c in self.checkpoints]
+        if not self.checkpoints and not self.tiers.models:
+            raise ValueError("checkpoints: give at least one checkpoint (or a tier in tiers.models)")
+        names = [c.name for c in self.checkpoints] + [t.label for t in self.tiers.models]
         if len(set(names)) != len(names):
-            raise ValueError(f"checkpoints: labels must differ, got {names} (set `label` on each)")
+            raise ValueError(f"checkpoints and tiers.models: labels must differ, got {names} (set `label` on each)")
         suites = ([s.name or s.domain for s in self.suites.generated] + [s.name for s in self.suites.datasets]
                   + [s.name for s in self.suites.regression])
         if len(set(suites)) != len(suites):
             raise ValueError(f"suites: names must differ, got {suites} (set `name` on generated suites)")
+        if self.tiers.suite is not None and self.tiers.suite not in suites:
+            raise ValueError(f"tiers.suite: no suite named {self.tiers.suite!r} (suites: {suites})")
         return self

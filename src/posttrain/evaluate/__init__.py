@@ -7,7 +7,8 @@ bad-case attribution, a contamination check and a self-contained HTML report.
     print(result.figure("sft", "arithmetic"), result.report_path)
 
 Pieces for other rooms (the demo): `load_policy` + `run_items` run tasks through one engine, `suite_metrics` /
-`pass_at_k` score them, `render_report` renders a results dict. A training loop (the RL forgetting guard) calls a
+`pass_at_k` score them, `render_report` renders a results dict, `measure_tier` times an engine for the tier
+table (tokens/s, p50 latency). A training loop (the RL forgetting guard) calls a
 `SuiteEvaluator`: ``evaluate(model, version) -> {suite: SuiteScore}``, the same episodes and the same pass@1
 (infrastructure failures counted, never scored).
 See docs/evaluate.md.
@@ -41,6 +42,7 @@ from posttrain.evaluate.suites import (
     tasks_suite,
 )
 from posttrain.evaluate.console import print_results
+from posttrain.evaluate.tiers import TierSpeed, measure_tier, tier_prompts, tier_table
 
 __all__ = [
     "EvalError",
@@ -53,6 +55,7 @@ __all__ = [
     "Suite",
     "SuiteEvaluator",
     "SuiteScore",
+    "TierSpeed",
     "build_suites",
     "check_contamination",
     "evaluate",
@@ -63,6 +66,7 @@ __all__ = [
     "generated_suite",
     "hygiene",
     "load_policy",
+    "measure_tier",
     "outcome_metrics",
     "pass_at_k",
     "print_results",
@@ -74,6 +78,8 @@ __all__ = [
     "score_suites",
     "suite_metrics",
     "tasks_suite",
+    "tier_prompts",
+    "tier_table",
     "training_curves",
     "training_samples",
     "transcript",

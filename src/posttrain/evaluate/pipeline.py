@@ -11,7 +11,12 @@ The results JSON is the whole record (the report is rendered from it alone, so i
      "metrics": {label: {suite: {"overall": {items, mean_reward, pass@1, pass@k...}, "levels": {"3": {...}},
                                  "process": {...}, "failures": {class: count}, "safety": {...}}}},
      "examples": {label: {suite: {class: [transcript, ...]}}},
-     "fresh_gap": [...], "regressions": [...], "contamination": {...}, "hygiene": [...], "curves": [...]}
+     "fresh_gap": [...], "regressions": [...], "contamination": {...}, "hygiene": [...], "curves": [...],
+     "tiers": null | {baseline, accuracy_suites, settings, rows: [{label, kind, accuracy, tokens_per_s,
+                      p50_latency_ms, speedup, accuracy_delta, runner, ...}]}}
+
+Tiers (``tiers.models``) run after the checkpoints, each like a checkpoint (a row in ``checkpoints`` with its
+``tier`` kind, its metrics beside theirs) and then timed; see `posttrain.evaluate.tiers`.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from posttrain.evaluate.contamination import check_contamination, exclude_contam
 from posttrain.evaluate.curves import training_curves
 from posttrain.evaluate.failures import failure_examples
 from posttrain.evaluate.metrics import ItemEpisodes, suite_metrics
-from posttrain.evaluate.runner import Policy, load_policy, run_items
+from posttrain.evaluate.runner import Policy, engine_threads, load_policy, run_items
 from posttrain.evaluate.suites import Suite, build_suites, hygiene, new_fresh_seed
+from posttrain.evaluate.tiers import measure_tier, tier_accuracy, tier_prompts, tier_row, tier_table
 from posttrain.tracking import say
 
 FORMAT = "posttrain-eval/1"
@@ -52,18 +58,21 @@ class EvalResult:
 
 def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write: bool = True,
              report_name: str = REPORT_FILE, results_name: str = RESULTS_FILE,
-             loader: Callable[[str, EvalRuntime], Policy] = load_policy) -> EvalResult:
+             loader: Callable[..., Policy] = load_policy) -> EvalResult:
     """Run every checkpoint of `recipe` over its suites (or over `suites`, when given) and write the results
-    JSON and the HTML report into ``recipe.output_dir`` (unless `write` is false). `loader` turns a checkpoint
-    path into a `Policy` (another engine, a scripted one in tests)."""
+    JSON and the HTML report into ``recipe.output_dir`` (unless `write` is false). `loader(path, runtime)` turns a
+    checkpoint path into a `Policy` (another engine, a scripted one in tests); a tier's is loaded with
+    ``loader(path, runtime, engine=tier.engine)``."""
     started = time.perf_counter()
     fresh_seed = recipe.fresh_draw.seed if recipe.fresh_draw.seed is not None else new_fresh_seed()
     suites = list(suites) if suites is not None else build_suites(recipe, fresh_seed)
     say(f"[eval] {len(suites)} suites, {sum(len(s.tasks) for s in suites)} items, "
-        f"{len(recipe.checkpoints)} checkpoint(s)")
+        f"{len(recipe.checkpoints)} checkpoint(s)" + (f", {len(recipe.tiers.models)} tier(s)" if recipe.tiers.models
+                                                       else ""))
 
     loading = time.perf_counter()
-    first = loader(recipe.checkpoints[0].path, recipe.runtime)  # its tokenizer counts the n-grams
+    first_path = recipe.checkpoints[0].path if recipe.checkpoints else recipe.tiers.models[0].path
+    first = loader(first_path, recipe.runtime)  # its tokenizer counts the n-grams
     first_load_s = time.perf_counter() - loading
     samples = training_samples(recipe.contamination)
     contamination = check_contamination(suites, samples, first.tokenizer, recipe.contamination.ngram)
@@ -79,14 +88,11 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
         loading = time.perf_counter()
         policy, first = first or loader(checkpoint.path, recipe.runtime), None
         load_s = first_load_s if position == 0 else time.perf_counter() - loading
-        items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
-        metrics[checkpoint.name], examples[checkpoint.name] = _score(suites, items, recipe)
-        checkpoints.append({"label": checkpoint.name, "path": checkpoint.path, "seconds": round(stats.seconds, 2),
-                            "load_seconds": round(load_s, 2), "episodes": stats.episodes, "items": len(tasks),
-                            "items_per_s": round(len(tasks) / stats.seconds, 2) if stats.seconds else None,
-                            "policy_tokens": stats.policy_tokens})
-        say(f"[eval] {checkpoint.name}: {stats.episodes} episodes in {stats.seconds:.1f}s")
+        checkpoints.append(_run_checkpoint(checkpoint.name, checkpoint.path, policy, load_s, suites, tasks, recipe,
+                                           metrics, examples))
         del policy  # one engine in memory at a time
+    first = None  # a tier-only eval: loaded for the tokenizer alone
+    tiers = _run_tiers(recipe, loader, suites, tasks, checkpoints, metrics, examples)
 
     results = {
         "format": FORMAT,
@@ -106,11 +112,58 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
         "hygiene": hygiene(suites),
         "curves": training_curves([(run.label or Path(run.path).name, run.path)
                                    for run in recipe.report.training_runs]),
+        "tiers": tiers,
     }
     results["seconds"] = round(time.perf_counter() - started, 2)
     if not write:
         return EvalResult(jsonable(results), None, None)
     return write_results(jsonable(results), Path(recipe.output_dir), results_name, report_name)
+
+
+def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites: Sequence[Suite],
+                    tasks: list, recipe: EvalRecipe, metrics: dict[str, Any], examples: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """Every suite's episodes for one checkpoint: its metrics and examples filled in, its results row returned."""
+    items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
+    metrics[label], examples[label] = _score(suites, items, recipe)
+    say(f"[eval] {label}: {stats.episodes} episodes in {stats.seconds:.1f}s")
+    return {"label": label, "path": path, "seconds": round(stats.seconds, 2), "load_seconds": round(load_s, 2),
+            "episodes": stats.episodes, "items": len(tasks),
+            "items_per_s": round(len(tasks) / stats.seconds, 2) if stats.seconds else None,
+            "policy_tokens": stats.policy_tokens}
+
+
+def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequence[Suite], tasks: list,
+               checkpoints: list[dict[str, Any]], metrics: dict[str, Any], examples: dict[str, Any]
+               ) -> dict[str, Any] | None:
+    """Each tier evaluated like a checkpoint (its row marked with its kind), then timed (`tiers.measure_tier`)."""
+    settings = recipe.tiers
+    if not settings.models:
+        return None
+    from posttrain.models import quantization_of
+
+    accuracy_suites = ([settings.suite] if settings.suite
+                       else [s.name for s in suites if s.kind in ("heldout", "dataset")])
+    timed_tasks = [task for suite in suites if suite.name in accuracy_suites for task in suite.tasks] or tasks
+    rows = []
+    for tier in settings.models:
+        loading = time.perf_counter()
+        policy = loader(tier.path, recipe.runtime, engine=tier.engine)
+        row = _run_checkpoint(tier.label, tier.path, policy, time.perf_counter() - loading, suites, tasks, recipe,
+                              metrics, examples)
+        checkpoints.append({**row, "tier": tier.kind})
+        if not settings.suite:  # safety suites score refusals, not the capability a tier trades for speed
+            accuracy_suites = [n for n in accuracy_suites if "safety" not in metrics[tier.label].get(n, {})]
+        prompts = tier_prompts(timed_tasks, policy.tokenizer, settings.prompts)
+        with engine_threads(policy, recipe.runtime):
+            speed = measure_tier(policy.engine, prompts, max_new_tokens=settings.max_new_tokens,
+                                 repeats=settings.repeats, warmup=settings.warmup)
+        say(f"[eval] tier {tier.label}: {speed.tokens_per_s:.1f} tokens/s, p50 {speed.p50_latency_ms:.0f} ms "
+            f"({speed.runner or 'engine'} runner)")
+        rows.append(tier_row(tier, tier_accuracy(metrics[tier.label], accuracy_suites), speed,
+                             quantization_of(tier.path)))
+        del policy
+    return tier_table(rows, settings, accuracy_suites)
 
 
 def write_results(results: dict[str, Any], output_dir: Path, results_name: str = RESULTS_FILE,

@@ -4,7 +4,8 @@ results JSON alone, so ``render_report(json.load(open("results.json")))`` re-ren
 Sections: headline cards for the last checkpoint (with the change from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
 fresh draw, safety, training curves, process metrics, failure classes with transcripts, contamination, held-out
-hygiene, regression floors and the run's settings. Everything that came from a model, a dataset or a file
+hygiene, regression floors, the tier table (accuracy against tokens/s and p50 latency per serving tier, with
+two plots) and the run's settings. Everything that came from a model, a dataset or a file
 name is escaped (`html.escape`) before it is written.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Iterable
 
 from posttrain.evaluate.failures import FAILURE_LABELS
 from posttrain.evaluate.metrics import FAILURE_CLASSES
-from posttrain.evaluate.svg import bar_chart, color, line_chart, stacked_bars
+from posttrain.evaluate.svg import bar_chart, color, line_chart, scatter_chart, stacked_bars
 
 FAILURE_COLORS = {"format": "#B279A2", "wrong_answer": "#E45756", "tool_error": "#F58518", "timeout": "#EECA3B",
                   "sandbox_failure": "#72B7B2", "truncated": "#4C78A8", "infra": "#9D755D"}
@@ -31,7 +32,7 @@ def render_report(results: dict[str, Any]) -> str:
     body = "".join([
         _header(view), _nav(view), "<main>", _summary(view), _domains(view), _fresh(view), _safety(view),
         _curves(view), _process(view), _failures(view), _contamination(view), _hygiene(view), _regressions(view),
-        _settings(view), "</main>",
+        _tiers(view), _settings(view), "</main>",
         f'<footer>posttrain evaluation · {_e(results.get("format", ""))} · rendered from results.json</footer>',
     ])
     template = Template(resources.files("posttrain.evaluate").joinpath("report.html").read_text(encoding="utf-8"))
@@ -91,9 +92,10 @@ def _nav(view: _View) -> str:
     links = [("summary", "Summary"), ("domains", "Domains"), ("fresh", "Fresh draw"), ("safety", "Safety"),
              ("curves", "Training curves"), ("process", "Process"), ("failures", "Failures"),
              ("contamination", "Contamination"), ("hygiene", "Hygiene"), ("regressions", "Regressions"),
-             ("settings", "Settings")]
+             ("tiers", "Tiers"), ("settings", "Settings")]
     present = {"safety": bool(view.safety_suites), "curves": bool(view.results.get("curves")),
-               "regressions": bool(view.results.get("regressions")), "fresh": bool(view.results.get("fresh_gap"))}
+               "regressions": bool(view.results.get("regressions")), "fresh": bool(view.results.get("fresh_gap")),
+               "tiers": bool((view.results.get("tiers") or {}).get("rows"))}
     return "<nav>" + "".join(f'<a href="#{key}">{text}</a>' for key, text in links if present.get(key, True)) + "</nav>"
 
 
@@ -396,6 +398,57 @@ def _regressions(view: _View) -> str:
                      status[r["ok"]]] for r in rows])
     return _section("regressions", "Regression suites", "Fixed task sets with a pass-rate floor.",
                     f'<div class="panel">{table}</div>')
+
+
+def _tiers(view: _View) -> str:
+    table = view.results.get("tiers") or {}
+    rows = table.get("rows") or []
+    if not rows:
+        return ""
+    baseline = table.get("baseline")
+    cells = []
+    for row in rows:
+        quantization = row.get("quantization") or {}
+        engine = row.get("engine") or {}
+        options = engine.get("options") or {}
+        how = " · ".join([_e(row.get("runner") or engine.get("runner") or "")]
+                         + ([_e(quantization.get("target") or quantization.get("library"))] if quantization else [])
+                         + ([_e(json.dumps(options))] if options else []))
+        accepted = row.get("acceptance_rate")
+        cells.append([
+            f'<i class="dot" style="background:{view.colors.get(row["label"], "#999")}"></i> {_e(row["label"])}',
+            _e(row.get("kind")), _pct(row.get("accuracy")),
+            _delta(row.get("accuracy"), None if row["label"] == baseline else _baseline(rows, baseline, "accuracy")),
+            _num(row.get("tokens_per_s"), 1), _ratio(row.get("speedup")), _num(row.get("p50_latency_ms"), 0),
+            _num(row.get("p90_latency_ms"), 0), _num(row.get("ms_per_token"), 1),
+            _pct(accepted) if accepted is not None else "–", how])
+    head = ["tier", "kind", "accuracy", "Δ pp", "tokens / s", "speed-up", "p50 ms", "p90 ms", "ms / token",
+            "accepted", "engine"]
+    by_speed = [(r["label"], r["tokens_per_s"], r["accuracy"]) for r in rows if r.get("accuracy") is not None]
+    by_latency = [(r["label"], r["p50_latency_ms"], r["accuracy"]) for r in rows if r.get("accuracy") is not None]
+    speed_chart = scatter_chart(by_speed, label="accuracy against tokens/s", x_label="tokens / s",
+                                y_label="accuracy", colors=view.colors)
+    latency_chart = scatter_chart(by_latency, label="accuracy against p50 latency", x_label="p50 latency (ms)",
+                                  y_label="accuracy", colors=view.colors)
+    charts = (f'<div class="grid" style="margin-top:16px"><div class="panel">{speed_chart}</div>'
+              f'<div class="panel">{latency_chart}</div></div>')
+
+    settings = table.get("settings") or {}
+    suites = ", ".join(table.get("accuracy_suites") or []) or "–"
+    lead = (f"Accuracy is pass@1 over <b>{_e(suites)}</b>; speed is greedy decoding of the same "
+            f"{_e(settings.get('prompts'))} held-out prompts, one request at a time, at most "
+            f"{_e(settings.get('max_new_tokens'))} new tokens, {_e(settings.get('repeats'))} timed passes. "
+            f"Speed-up and Δ are against <b>{_e(baseline)}</b>.")
+    return _section("tiers", "Tiers", lead, f'<div class="panel">{_table(head, cells, text_columns=(10,))}</div>'
+                    f'{charts}')
+
+
+def _baseline(rows: list[dict[str, Any]], label: str | None, key: str) -> float | None:
+    return next((row.get(key) for row in rows if row["label"] == label), None)
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
 
 
 def _settings(view: _View) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RuntimeConfig
+from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RuntimeConfig, TierEngine
 from posttrain.evaluate.errors import EvalError
 from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
 from posttrain.evaluate.suites import Suite
@@ -54,8 +54,9 @@ class RunStats:
         return self.episodes / self.seconds if self.seconds > 0 else 0.0
 
 
-def load_policy(path: str | Path, runtime: EvalRuntime | None = None) -> Policy:
-    """The model and tokenizer of a local Hugging Face directory behind an `HFEngine`."""
+def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: TierEngine | None = None) -> Policy:
+    """The model and tokenizer of a local Hugging Face directory behind an `HFEngine` (built with a tier's
+    `engine` settings when given: its runner, and `options` as further keyword arguments)."""
     from posttrain.models import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
     from posttrain.rollout import HFEngine
 
@@ -70,9 +71,16 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None) -> Policy:
         raise EvalError(f"checkpoint {path}: {error}") from None
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    engine = HFEngine(model, tokenizer, device=device, autocast=autocast_dtype(settings, device),
-                      max_batch_size=runtime.batch_size)
-    return Policy(engine, tokenizer, str(path), device.type)
+    engine = engine or TierEngine()
+    reserved = sorted(set(engine.options) & {"device", "autocast", "max_batch_size", "runner"})
+    if reserved:
+        raise EvalError(f"checkpoint {path}: engine.options {reserved} are set by the eval runtime / engine.runner")
+    try:
+        built = HFEngine(model, tokenizer, device=device, autocast=autocast_dtype(settings, device),
+                         max_batch_size=runtime.batch_size, runner=engine.runner, **engine.options)
+    except TypeError as error:  # an option this engine does not take
+        raise EvalError(f"checkpoint {path}: engine.options: {error}") from None
+    return Policy(built, tokenizer, str(path), device.type)
 
 
 def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | None = None,
@@ -81,7 +89,7 @@ def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | No
     sampling = sampling or EvalSampling()
     runtime = runtime or EvalRuntime()
     tasks = [_scaled(task, runtime.timeout_scale) for task in tasks]
-    with _engine_threads(policy, runtime) as threads:
+    with engine_threads(policy, runtime) as threads:
         started = time.perf_counter()
         greedy, samples = asyncio.run(_collect(policy, tasks, sampling, runtime))
         seconds = time.perf_counter() - started
@@ -148,7 +156,7 @@ def score_suites(suites: Sequence[Suite], items: Sequence[ItemEpisodes]) -> dict
 
 
 @contextlib.contextmanager
-def _engine_threads(policy: Policy, runtime: EvalRuntime):
+def engine_threads(policy: Policy, runtime: EvalRuntime):
     import torch
 
     before = torch.get_num_threads()

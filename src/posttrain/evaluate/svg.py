@@ -1,4 +1,4 @@
-"""Small inline-SVG charts for the report: lines (training curves), grouped bars, stacked bars.
+"""Small inline-SVG charts for the report: lines (training curves), grouped bars, stacked bars, labelled points.
 
 Hand-written rather than matplotlib so the report stays a few hundred kilobytes of crisp, scalable, hoverable
 markup (every point and bar has a ``<title>`` tooltip) that needs nothing but a browser. Every string that
@@ -128,12 +128,7 @@ def bar_chart(categories: Sequence[str], series: Sequence[tuple[str, Sequence[fl
     def sy(v: float) -> float:
         return top + (1 - v / high) * plot_h
 
-    body = []
-    for tick in ticks:
-        body.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" '
-                    f'stroke="#e6e8ee"/>')
-        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
-                    f'{fmt(tick, fraction)}</text>')
+    body = _y_grid(ticks, sy, left, width - right, fraction)
     step = (width - left - right) / groups
     for g, category in enumerate(categories):
         x0 = left + g * step + (step - per_group * bar_w) / 2
@@ -177,6 +172,60 @@ def stacked_bars(rows: Sequence[tuple[str, dict[str, int]]], classes: Sequence[s
             x += count * scale
         body.append(f'<text x="{x + 6:.1f}" y="{y + 13}" {FONT}>{sum(counts.values())}</text>')
     return _frame(width, height, label, body)
+
+
+def scatter_chart(points: Sequence[tuple[str, float, float]], *, label: str, x_label: str, y_label: str,
+                  fraction: bool = True, width: int = 540, height: int = 250,
+                  colors: dict[str, str] | None = None) -> str:
+    """Named (x, y) points, each a dot with its name beside it; y a fraction when `fraction` (the axis from a
+    little below the lowest point to 100%). The x axis starts at 0, so distances along it compare as ratios (a
+    tier twice as fast sits twice as far out)."""
+    if not points:
+        return _frame(width, 40, label, [f'<text x="8" y="24" {FONT}>no data</text>'])
+    x_high = max(p[1] for p in points) * 1.15 or 1.0
+    ys = [p[2] for p in points]
+    if fraction:  # tiers differ by points of accuracy: the axis spans what is there (and up to 100%)
+        y_low, y_high = max(0.0, min(ys) - max(0.1, (max(ys) - min(ys)) * 0.5)), 1.0
+    else:
+        y_low, y_high = 0.0, max(ys) * 1.1 or 1.0
+    x_ticks, y_ticks = nice_ticks(0.0, x_high, 5), nice_ticks(y_low, y_high, 5)
+    y_low = min(y_low, y_ticks[0])
+    x_high, y_high = max(x_high, x_ticks[-1]), max(y_high, y_ticks[-1])
+    left, right, top, bottom = 46, 14, 12, 40
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + x / x_high * plot_w
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y_low) / (y_high - y_low)) * plot_h
+
+    body = _y_grid(y_ticks, sy, left, width - right, fraction)
+    for tick in x_ticks:
+        body.append(f'<text x="{sx(tick):.1f}" y="{top + plot_h + 14}" text-anchor="middle" {FONT}>{fmt(tick)}</text>')
+    body.append(f'<line x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="#9aa1ad"/>')
+    body.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 6}" text-anchor="middle" {FONT}>'
+                f'{_escape(x_label)}</text>')
+    body.append(f'<text x="12" y="{top + plot_h / 2:.1f}" text-anchor="middle" transform="rotate(-90 12 '
+                f'{top + plot_h / 2:.1f})" {FONT}>{_escape(y_label)}</text>')
+    for index, (name, x, y) in enumerate(points):
+        fill = (colors or {}).get(name, color(index))
+        anchor, dx = ("end", -7) if sx(x) > left + plot_w * 0.7 else ("start", 7)
+        body.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{fill}"><title>{_escape(name)}: '
+                    f'{_escape(x_label)} {x:.4g}, {_escape(y_label)} {_escape(_value(y, fraction))}</title></circle>')
+        body.append(f'<text x="{sx(x) + dx:.1f}" y="{sy(y) - 7:.1f}" text-anchor="{anchor}" {FONT}>'
+                    f'{_escape(name)}</text>')
+    return _frame(width, height, label, body)
+
+
+def _y_grid(ticks: Sequence[float], sy, left: float, right_x: float, fraction: bool) -> list[str]:
+    """A horizontal grid line and a label at the left for each y tick."""
+    body = []
+    for tick in ticks:
+        body.append(f'<line x1="{left}" x2="{right_x}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" stroke="#e6e8ee"/>')
+        body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
+                    f'{fmt(tick, fraction)}</text>')
+    return body
 
 
 def _value(value: float, fraction: bool) -> str:

@@ -1,5 +1,5 @@
 """Models: load any local Hugging Face causal LM, build the tiny built-in one, LoRA, atomic checkpoints, reward
-models (`AutoModelForSequenceClassification` with one label), export.
+models (`AutoModelForSequenceClassification` with one label), export, weight-only quantization (torchao).
 
     from posttrain.models import load_tokenizer, load_model, build_tiny_model, save_checkpoint
 """
@@ -29,6 +29,7 @@ from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
 from posttrain.models.export import export_model
+from posttrain.models.quantize import TARGETS as QUANTIZE_TARGETS, quantization_of, quantize_checkpoint
 from posttrain.models.load import VARLEN
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ModelError",
     "PAD",
     "PRESETS",
+    "QUANTIZE_TARGETS",
     "RewardModel",
     "ScalarRewardModel",
     "VARLEN",
@@ -59,6 +61,8 @@ __all__ = [
     "load_training_state",
     "load_weights_from_checkpoint",
     "merged_copy",
+    "quantization_of",
+    "quantize_checkpoint",
     "reference_mode",
     "resolve_device",
     "restore_rng",

@@ -9,6 +9,8 @@ says how to supply one (`model.chat_template`), since every stage renders chats.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
 import re
@@ -26,6 +28,7 @@ from posttrain.types import PosttrainError
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZE_HINT = "pip install 'posttrain[quantize]' (or: pip install torchao)"
 
 
 class ModelError(PosttrainError):
@@ -96,6 +99,7 @@ def load_model(
             AutoConfig.from_pretrained(config.path)
         except (OSError, ValueError) as error:
             raise _load_error(config.path, "model.path", "not a Hugging Face model directory", error) from None
+        _require_quantizer(config.path)
         model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(
@@ -163,6 +167,19 @@ def hub_offline() -> bool:
     """Whether the user asked for offline mode (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set to a true value)."""
     return any(os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
                for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _require_quantizer(location: str) -> None:
+    """A clear error, before transformers' own, when a quantized checkpoint's library is not installed."""
+    config = Path(location) / "config.json"
+    if not config.is_file():
+        return
+    method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    if method != "torchao":
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ModelError(f"{location}: a torchao-quantized checkpoint (posttrain quantize); loading it needs "
+                         f"torchao: {QUANTIZE_HINT}")
 
 
 def _require_dir_or_hub_id(location: str, key: str) -> None:

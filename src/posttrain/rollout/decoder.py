@@ -53,7 +53,15 @@ def fast_path_unsupported(model: torch.nn.Module) -> str | None:
         return f"rope type {rope_type!r} (the rotary table must not depend on the sequence length)"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
+    if any(_quantized(module.weight) for module in body.layers.modules() if isinstance(module, torch.nn.Linear)):
+        # The fused q/k/v and gate/up copies would dequantize the weights (or fail to concatenate them).
+        return "quantized weights (a tensor subclass such as torchao's); the model's own forward runs them"
     return None
+
+
+def _quantized(weight: torch.Tensor) -> bool:
+    tensor = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    return type(tensor) is not torch.Tensor
 
 
 class _Weights:
