@@ -8,7 +8,7 @@ does not pass. The question names the needles' keys; the answer is their codes i
 judged by the ``exact`` verifier (the whole completion, whitespace and case normalized).
 
 Difficulty = length: level L fills the prompt (document and question) to ``lengths[L - 1]`` tokens, less
-`reserve_tokens` for the chat markup and the answer, so a model with `lengths[L - 1]` positions holds the whole
+`reserve_tokens` for the chat markup and the answer (default 16 + 8 per needle), so a model with `lengths[L - 1]` positions holds the whole
 episode. Defaults: 256 to 32,768 tokens over 8 levels; depths 0, 0.25, 0.5, 0.75, 1. Lengths are in the tokens of
 `tokenizer` when one is given (a directory, or a tokenizer object), else estimated (see `haystack`).
 """
@@ -43,7 +43,7 @@ class NeedleHaystack:
 
     def __init__(self, lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Sequence[float] = DEFAULT_DEPTHS,
                  needles: int = 1, distractors: int = 2, tokenizer: Any = None, chars_per_token: float = 4.0,
-                 reserve_tokens: int = 24, system_prompt: str | None = None):
+                 reserve_tokens: int | None = None, system_prompt: str | None = None):
         self.lengths = check_lengths(lengths, self.name)
         self.depths = check_depths(depths, self.name)
         if not 1 <= needles <= 8 or not 0 <= distractors <= 32:
@@ -52,7 +52,8 @@ class NeedleHaystack:
         self.needles, self.distractors = needles, distractors
         self.counter = TokenCounter(tokenizer, chars_per_token)
         self.filler = Filler(self.counter)
-        self.reserve_tokens = reserve_tokens
+        # Chat markup and the answer (a 6-digit code and its separator is about 8 tokens in most tokenizers).
+        self.reserve_tokens = 16 + 8 * needles if reserve_tokens is None else reserve_tokens
         self.system_prompt = system_prompt
 
     def make_task(self, rng: random.Random, level: int) -> Task:
