@@ -65,3 +65,15 @@ def test_the_base_stage_tasks_fit_8k_positions_in_its_own_tokenizer(tmp_path):
             longest[spec.name] = max(longest.get(spec.name, 0), len(ids))
     print(json.dumps({"longest_heldout_prompt_tokens": longest}))
     assert longest["needle"] > 6000 and longest["multi_doc_qa"] > 6000  # the 8k levels are long, not nominal
+
+
+def test_posttrain_demo_runs_a_recipe_file_given_by_recipe(tmp_path):
+    from posttrain.cli import main
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("stage: demo\noutput_dir: unused\nstages: []\nvocab_size: 320\npreset: tiny-1m\ndomains:\n"
+                    "  - {name: needle, args: {lengths: [256]}, demos: 4, heldout: 2, validation: 0}\n")
+    assert main(["demo", "--recipe", str(path), "--output", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["stages"]["base"]["heldout_items"] == {"needle": 2}
+    assert main(["demo", "--recipe", "no-such-recipe"]) != 0  # a one-line error naming the packaged recipes
