@@ -163,3 +163,30 @@ def test_the_curriculum_climbs_lengths():
     levels = [int(b.stats["schedule"]["curriculum/needle"]) for b in batches]
     assert levels[0] == 1 and levels[-1] == 4 and levels == sorted(levels)
     assert drawn == {level: {length} for level, length in enumerate(lengths, start=1)}
+
+
+@pytest.fixture(scope="module")
+def merging_tokenizer():
+    """A BPE without a word-splitting pre-tokenizer: its merges cross spaces, so a text's count is not the sum of
+    its pieces' and the domains must count each prompt whole."""
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = list(filler_vocabulary()) + [t.prompt for t in sample_tasks(get_domain("needle", lengths=[512]), 10,
+                                                                        level=1)]
+    texts += [t.prompt for t in sample_tasks(get_domain("multi_doc_qa", lengths=[512]), 10, level=1)]
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"], show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("name", ["needle", "multi_doc_qa", "long_doc_qa"])
+def test_a_tokenizer_whose_counts_do_not_add_up_is_counted_whole(name, merging_tokenizer):
+    lengths = {"needle": [512, 1024], "multi_doc_qa": [512, 1024], "long_doc_qa": [1024, 2048]}[name]
+    source = get_domain(name, lengths=lengths, tokenizer=merging_tokenizer)
+    assert not source.counter.additive
+    for level, length in enumerate(lengths, start=1):
+        for task in sample_tasks(source, 2, level=level, seed=level):
+            measured = _tokens(merging_tokenizer, task.prompt)
+            # Exact and within the level; filled less than an additive tokenizer's (the pieces' counts overstate).
+            assert task.metadata["context_tokens"] == measured <= length - 24 and measured > 0.4 * length
