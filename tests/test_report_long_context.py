@@ -41,7 +41,8 @@ def test_heat_map_cells_match_a_scripted_policy(tmp_path, tiny_tokenizer):
     tasks = suites[0].tasks
     for row, length in enumerate(grid["lengths"]):
         for column, cell in enumerate(grid["cells"][row]):
-            mine = [t for t in tasks if t.metadata["length"] == length and min(4, int(t.metadata["depth"] * 5)) == column]
+            mine = [t for t in tasks
+                    if t.metadata["length"] == length and min(4, int(t.metadata["depth"] * 5)) == column]
             if not mine:
                 assert cell is None
                 continue

@@ -78,7 +78,8 @@ def _draw(recipe, tokenizer=None) -> tuple[list[SFTSample], dict[str, list[Task]
         test_keys = {task.metadata["problem_key"] for task in heldout[spec.name]}
         candidates = sample_tasks(domain, 2 * spec.validation, level=spec.heldout_levels,
                                   split="heldout", seed=recipe.seed + 100 + index) if spec.validation else []
-        validations[spec.name] = [t for t in candidates if t.metadata["problem_key"] not in test_keys][: spec.validation]
+        fresh = [t for t in candidates if t.metadata["problem_key"] not in test_keys]
+        validations[spec.name] = fresh[: spec.validation]
     return demos, heldout, validations
 
 

@@ -3,9 +3,9 @@ results JSON alone, so ``render_report(json.load(open("results.json")))`` re-ren
 
 Sections: headline cards for the last checkpoint (with the change from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
-fresh draw, safety, a length x depth heat map of the long-context suites, training curves, process metrics, failure classes with transcripts, contamination, held-out
-hygiene, regression floors and the run's settings. Everything that came from a model, a dataset or a file
-name is escaped (`html.escape`) before it is written.
+fresh draw, safety, a length x depth heat map of the long-context suites, training curves, process metrics,
+failure classes with transcripts, contamination, held-out hygiene, regression floors and the run's settings.
+Everything that came from a model, a dataset or a file name is escaped (`html.escape`) before it is written.
 """
 
 from __future__ import annotations

@@ -204,7 +204,8 @@ def heat_map(rows: Sequence[str], columns: Sequence[str], values: Sequence[Seque
                     f'text-anchor="middle" {FONT}>{_escape(name)}</text>')
     for r, name in enumerate(rows):
         y = top + r * cell_h
-        body.append(f'<text x="{left - 8}" y="{y + cell_h / 2 + 4:.0f}" text-anchor="end" {FONT}>{_escape(name)}</text>')
+        body.append(f'<text x="{left - 8}" y="{y + cell_h / 2 + 4:.0f}" text-anchor="end" {FONT}>'
+                    f'{_escape(name)}</text>')
         for c, value in enumerate(values[r]):
             x = left + c * cell_w
             count = counts[r][c] if counts is not None else None

@@ -4,7 +4,8 @@
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
 Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
-``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels are lengths in tokens, up to 32k), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
+``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels are lengths in tokens, up to 32k),
+``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
 """

@@ -8,9 +8,10 @@ does not pass. The question names the needles' keys; the answer is their codes i
 judged by the ``exact`` verifier (the whole completion, whitespace and case normalized).
 
 Difficulty = length: level L fills the prompt (document and question) to ``lengths[L - 1]`` tokens, less
-`reserve_tokens` for the chat markup and the answer (default 16 + 8 per needle), so a model with `lengths[L - 1]` positions holds the whole
-episode. Defaults: 256 to 32,768 tokens over 8 levels; depths 0, 0.25, 0.5, 0.75, 1. Lengths are in the tokens of
-`tokenizer` when one is given (a directory, or a tokenizer object), else estimated (see `haystack`).
+`reserve_tokens` for the chat markup and the answer (default 16 + 8 per needle), so a model with
+`lengths[L - 1]` positions holds the whole episode. Defaults: 256 to 32,768 tokens over 8 levels; depths 0, 0.25,
+0.5, 0.75, 1. Lengths are in the tokens of `tokenizer` when one is given (a directory, or a tokenizer object), else
+estimated (see `haystack`).
 """
 
 from __future__ import annotations
