@@ -22,10 +22,12 @@ GENERATED = [
     ("code", [1, 2, 3], 40),
     ("repo_fix", [1, 2, 3], 60),
     ("long_doc_qa", [1, 3, 5], 60),
+    ("needle", [1, 3, 5], 60),
+    ("multi_doc_qa", [1, 2, 3], 60),
     ("reasoning_gym/basic_arithmetic", [1, 2], 100),
     ("reasoning_gym/word_sorting", [1, 2], 60),
 ]
-SINGLE_TURN_FAST = ["arithmetic", "extraction", "long_doc_qa"]
+SINGLE_TURN_FAST = ["arithmetic", "extraction", "long_doc_qa", "needle", "multi_doc_qa"]
 
 
 @pytest.mark.parametrize("name,levels,count", GENERATED)
@@ -167,8 +169,8 @@ def test_long_doc_qa_needs_several_pages():
 
 
 def test_every_domain_is_registered():
-    assert {"arithmetic", "extraction", "calculator", "code", "repo_fix", "long_doc_qa", "dataset",
-            "reasoning_gym"} <= set(DOMAINS)
+    assert {"arithmetic", "extraction", "calculator", "code", "repo_fix", "long_doc_qa", "needle", "multi_doc_qa",
+            "dataset", "reasoning_gym"} <= set(DOMAINS)
 
 
 def _episode(tokenizer, task: Task, text: str, **kwargs):

@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, _) in STAGES.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
         if name == "demo":
-            sub.add_argument("--output", default="runs/demo", help="run directory (default runs/demo)")
+            sub.add_argument("--recipe", default="demo", help="a demo-stage recipe: a file, or a packaged one by name "
+                             "(default demo; long-context: docs/long-context.md)")
+            sub.add_argument("--output", default=None, help="run directory (default: the recipe's output_dir, "
+                             "runs/demo for the demo)")
             sub.add_argument("--resume", action="store_true", help="skip finished stages, resume the running one")
             sub.add_argument("--quick", action="store_true", help="a few-minute smoke run (smaller budgets)")
             sub.add_argument("overrides", nargs="*", help="demo recipe overrides, key.path=value")

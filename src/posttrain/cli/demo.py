@@ -1,4 +1,5 @@
-"""`posttrain demo`: run the demo pipeline (see `posttrain.demo`) from the packaged recipe."""
+"""`posttrain demo [--recipe NAME]`: run the demo pipeline (see `posttrain.demo`) from a demo-stage recipe: the
+packaged `demo` by default, `--recipe long-context` for the long-context one (docs/long-context.md), or a file."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ QUICK = [  # `--quick`: a few-minute smoke run of every stage
 
 
 def main(args: argparse.Namespace) -> int:
-    from posttrain.cli import packaged_recipe
+    from posttrain.cli.stages import recipe_path
 
-    overrides = ([*QUICK] if args.quick else []) + list(args.overrides) + [f"output_dir={args.output}"]
-    recipe = load_recipe(packaged_recipe("demo"), overrides, DemoRecipe)
+    name = getattr(args, "recipe", "demo")
+    overrides = ([*QUICK] if args.quick and name == "demo" else []) + list(args.overrides)
+    if getattr(args, "output", None):
+        overrides.append(f"output_dir={args.output}")
+    recipe = load_recipe(recipe_path(name), overrides, DemoRecipe)
     from posttrain.demo import run_demo
 
     run_demo(recipe, resume=args.resume)

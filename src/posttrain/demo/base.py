@@ -3,11 +3,14 @@
 For each demo domain: `demos` SFT demonstrations drawn from the train split at `sft_levels`, and `heldout`
 tasks drawn from the held-out split at `heldout_levels` (the split is by a hash of the problem, so the two
 never share one). The tokenizer is trained on the text of both, plus the tool and format strings the
-later stages use, so no stage meets an unseen word.
+later stages use, so no stage meets an unseen word. Domains that measure lengths in tokens (the long-context ones:
+a `tokenizer` argument the recipe leaves unset) are then drawn again with that tokenizer, so their levels'
+lengths are the model's own tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -15,7 +18,7 @@ from typing import Any, Iterable
 from posttrain.data import SFTSample
 from posttrain.demo.pipeline import DemoRun, demo_stage
 from posttrain.models import build_tiny_model, count_parameters, save_model_dir, train_tokenizer
-from posttrain.tasks import get_domain, sample_tasks
+from posttrain.tasks import DOMAINS, get_domain, sample_tasks
 from posttrain.types import Task
 
 SFT_FILE = "sft_train.jsonl"
@@ -33,10 +36,38 @@ def validation_file(domain: str) -> str:
 def base(run: DemoRun) -> dict[str, Any]:
     recipe = run.recipe
     run.data_dir.mkdir(parents=True, exist_ok=True)
+    demos, heldout, validation = _draw(recipe)
+    tokenizer = train_tokenizer(_corpus(demos, heldout), vocab_size=recipe.vocab_size)
+    if any(counts_tokens(spec) for spec in recipe.domains):
+        # Long-context domains size their levels in tokens: drawn again, counted by the tokenizer just trained
+        # on the first draw's text (the same vocabulary), so a level's length is the model's own.
+        demos, heldout, validation = _draw(recipe, tokenizer)
+    for name, tasks in validation.items():
+        write_jsonl(run.data_dir / validation_file(name), (task.to_dict() for task in tasks))
+    write_jsonl(run.data_dir / SFT_FILE, (sample.to_dict() for sample in demos))
+    for name, tasks in heldout.items():
+        write_jsonl(run.data_dir / heldout_file(name), (task.to_dict() for task in tasks))
+
+    model = build_tiny_model(recipe.preset, tokenizer, seed=recipe.seed)
+    save_model_dir(run.base_dir, model, tokenizer)
+    return {
+        "preset": recipe.preset,
+        "parameters": count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "demonstrations": {spec.name: spec.demo_count for spec in recipe.domains},
+        "heldout_items": {name: len(tasks) for name, tasks in heldout.items()},
+    }
+
+
+def _draw(recipe, tokenizer=None) -> tuple[list[SFTSample], dict[str, list[Task]], dict[str, list[Task]]]:
+    """Every domain's demonstrations, held-out tasks and validation tasks (`tokenizer` to the domains that count
+    tokens and were given none)."""
     demos: list[SFTSample] = []
     heldout: dict[str, list[Task]] = {}
+    validations: dict[str, list[Task]] = {}
     for index, spec in enumerate(recipe.domains):
-        domain = get_domain(spec.name, **spec.args)
+        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
+        domain = get_domain(spec.name, **args)
         tasks = sample_tasks(domain, spec.demos, level=spec.sft_levels, split="train", seed=recipe.seed + index)
         for level, count in sorted(spec.level_demos.items()):
             tasks += sample_tasks(domain, count, level=level, split="train", seed=recipe.seed + 1000 * level + index)
@@ -47,22 +78,20 @@ def base(run: DemoRun) -> dict[str, Any]:
         test_keys = {task.metadata["problem_key"] for task in heldout[spec.name]}
         candidates = sample_tasks(domain, 2 * spec.validation, level=spec.heldout_levels,
                                   split="heldout", seed=recipe.seed + 100 + index) if spec.validation else []
-        validation = [t for t in candidates if t.metadata["problem_key"] not in test_keys][: spec.validation]
-        write_jsonl(run.data_dir / validation_file(spec.name), (task.to_dict() for task in validation))
-    write_jsonl(run.data_dir / SFT_FILE, (sample.to_dict() for sample in demos))
-    for name, tasks in heldout.items():
-        write_jsonl(run.data_dir / heldout_file(name), (task.to_dict() for task in tasks))
+        fresh = [t for t in candidates if t.metadata["problem_key"] not in test_keys]
+        validations[spec.name] = fresh[: spec.validation]
+    return demos, heldout, validations
 
-    tokenizer = train_tokenizer(_corpus(demos, heldout), vocab_size=recipe.vocab_size)
-    model = build_tiny_model(recipe.preset, tokenizer, seed=recipe.seed)
-    save_model_dir(run.base_dir, model, tokenizer)
-    return {
-        "preset": recipe.preset,
-        "parameters": count_parameters(model),
-        "vocab_size": len(tokenizer),
-        "demonstrations": {spec.name: spec.demo_count for spec in recipe.domains},
-        "heldout_items": {name: len(tasks) for name, tasks in heldout.items()},
-    }
+
+def counts_tokens(spec) -> bool:
+    """Whether the domain takes a `tokenizer` to measure lengths with, and the recipe left it unset."""
+    factory = DOMAINS.get(spec.name)
+    if factory is None or "tokenizer" in spec.args:
+        return False
+    try:
+        return "tokenizer" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def load_heldout(run: DemoRun) -> list[Task]:

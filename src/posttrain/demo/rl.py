@@ -1,7 +1,8 @@
 """Demo stages `rl` and `sft_control`: RL on fresh verifiable tasks, and the honest control for it.
 
 `rl` starts from the newest trained model (after DPO when that stage ran, else after SFT) and trains on
-tasks generated fresh every step and scored by the domains' verifiers — no demonstrations. `sft_control`
+tasks generated fresh every step and scored by the domains' verifiers — no demonstrations. Domains that measure
+lengths in tokens get the policy's tokenizer. `sft_control`
 continues SFT from the SFT checkpoint on the *same* demonstrations for the same wall time the RL stage took,
 at the learning rate SFT ended with: if RL's gain were only "more training", the control would match it.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.demo.base import SFT_FILE
+from posttrain.demo.base import SFT_FILE, counts_tokens
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 
@@ -24,6 +25,9 @@ def rl(run: DemoRun) -> dict[str, Any]:
     recipe.output_dir = str(run.root / "rl")
     recipe.model.path = str(policy)
     recipe.runtime.seed = run.recipe.seed
+    for spec in recipe.domains:  # long-context domains measure their lengths in the policy's own tokens
+        if counts_tokens(spec):
+            spec.args = {**spec.args, "tokenizer": str(policy)}
     result = run_rl(recipe, resume=run.resume)
     last = result.history[-1] if result.history else {}
     return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps, started_from=started_from,

@@ -16,6 +16,11 @@ pass@1 comes from one greedy episode per item when the recipe runs one (`EvalSam
 samples (c / n). The other figures (mean reward, process metrics, failure classes) are over the same
 "primary" episodes: the greedy ones, else the samples.
 
+Long-context suites (tasks whose metadata has ``length`` and ``depth``: the ``needle``, ``multi_doc_qa`` and long
+``long_doc_qa`` domains) also get a length x depth grid of pass@1 (`length_depth_metrics`): rows are the levels'
+lengths in tokens, columns `DEPTH_BINS` equal bins of where the evidence starts (a depth of exactly 1 falls in the
+last), each cell the primary episodes' pass rate and counts.
+
 `SuiteScore` is the short form a training loop reads (the RL forgetting guard, `SuiteEvaluator`): pass@1 and
 the counts, from the same `outcome_metrics` the results JSON keeps, so a suite's pass rate is one figure
 wherever it is read. A suite whose every episode failed for infrastructure reasons has no pass rate (None).
@@ -30,6 +35,7 @@ from typing import Any, Iterable, Sequence
 from posttrain.types import FailureClass, Task, Trajectory
 
 FAILURE_CLASSES = [c.value for c in FailureClass if c is not FailureClass.NONE]
+DEPTH_BINS = 5
 
 
 @dataclass
@@ -161,6 +167,34 @@ def safety_metrics(items: Sequence[ItemEpisodes]) -> dict[str, Any] | None:
     }
 
 
+def length_depth_metrics(items: Sequence[ItemEpisodes], bins: int = DEPTH_BINS) -> dict[str, Any] | None:
+    """pass@1 by (length, depth bin) over the scored primary episodes of items whose task metadata gives
+    ``length`` (tokens) and ``depth`` (a fraction); None when the suite has none.
+
+    ``{"lengths": [1024, 2048], "depths": ["0-20%", ...], "cells": [[{"items", "passed", "pass@1"} | None]]}``
+    with one row per length and one cell per depth bin (None where no item fell)."""
+    outcomes: dict[tuple[int, int], list[bool]] = defaultdict(list)
+    for item in items:
+        meta = item.task.metadata
+        if not isinstance(meta.get("length"), int) or not isinstance(meta.get("depth"), (int, float)):
+            continue
+        column = min(bins - 1, max(0, int(float(meta["depth"]) * bins)))
+        outcomes[(meta["length"], column)] += [bool(t.reward.passed) for t in _scored(item.primary)]
+    if not outcomes:
+        return None
+    lengths = sorted({length for length, _ in outcomes})
+    step = 100 // bins
+    cells = []
+    for length in lengths:
+        row = []
+        for column in range(bins):
+            passed = outcomes.get((length, column))
+            row.append(None if passed is None else
+                       {"items": len(passed), "passed": sum(passed), "pass@1": _mean([float(p) for p in passed])})
+        cells.append(row)
+    return {"lengths": lengths, "depths": [f"{c * step}-{(c + 1) * step}%" for c in range(bins)], "cells": cells}
+
+
 @dataclass(frozen=True)
 class SuiteScore:
     """One suite's pass@1 (over its scored episodes; None when none was scored) and its episode counts."""
@@ -187,4 +221,7 @@ def suite_metrics(items: Sequence[ItemEpisodes], ks: Sequence[int] = ()) -> dict
     safety = safety_metrics(items)
     if safety is not None:
         figures["safety"] = safety
+    grid = length_depth_metrics(items)
+    if grid is not None:
+        figures["length_depth"] = grid
     return figures

@@ -3,10 +3,10 @@ results JSON alone, so ``render_report(json.load(open("results.json")))`` re-ren
 
 Sections: headline cards for the last checkpoint (with the change from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
-fresh draw, safety, training curves, process metrics, failure classes with transcripts, contamination, held-out
-hygiene, regression floors, the tier table (accuracy against tokens/s and p50 latency per serving tier, with
-two plots) and the run's settings. Everything that came from a model, a dataset or a file
-name is escaped (`html.escape`) before it is written.
+fresh draw, safety, a length x depth heat map of the long-context suites, training curves, process metrics,
+failure classes with transcripts, contamination, held-out hygiene, regression floors, the tier table (accuracy
+against tokens/s and p50 latency per serving tier, with two plots) and the run's settings. Everything that came
+from a model, a dataset or a file name is escaped (`html.escape`) before it is written.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from posttrain.evaluate.failures import FAILURE_LABELS
 from posttrain.evaluate.metrics import FAILURE_CLASSES
-from posttrain.evaluate.svg import bar_chart, color, line_chart, scatter_chart, stacked_bars
+from posttrain.evaluate.svg import bar_chart, color, heat_map, line_chart, scatter_chart, stacked_bars
 
 FAILURE_COLORS = {"format": "#B279A2", "wrong_answer": "#E45756", "tool_error": "#F58518", "timeout": "#EECA3B",
                   "sandbox_failure": "#72B7B2", "truncated": "#4C78A8", "infra": "#9D755D"}
@@ -31,8 +31,8 @@ def render_report(results: dict[str, Any]) -> str:
     view = _View(results)
     body = "".join([
         _header(view), _nav(view), "<main>", _summary(view), _domains(view), _fresh(view), _safety(view),
-        _curves(view), _process(view), _failures(view), _contamination(view), _hygiene(view), _regressions(view),
-        _tiers(view), _settings(view), "</main>",
+        _long_context(view), _curves(view), _process(view), _failures(view), _contamination(view), _hygiene(view),
+        _regressions(view), _tiers(view), _settings(view), "</main>",
         f'<footer>posttrain evaluation · {_e(results.get("format", ""))} · rendered from results.json</footer>',
     ])
     template = Template(resources.files("posttrain.evaluate").joinpath("report.html").read_text(encoding="utf-8"))
@@ -90,12 +90,13 @@ def _header(view: _View) -> str:
 
 def _nav(view: _View) -> str:
     links = [("summary", "Summary"), ("domains", "Domains"), ("fresh", "Fresh draw"), ("safety", "Safety"),
-             ("curves", "Training curves"), ("process", "Process"), ("failures", "Failures"),
+             ("long-context", "Long context"), ("curves", "Training curves"), ("process", "Process"), ("failures", "Failures"),
              ("contamination", "Contamination"), ("hygiene", "Hygiene"), ("regressions", "Regressions"),
              ("tiers", "Tiers"), ("settings", "Settings")]
     present = {"safety": bool(view.safety_suites), "curves": bool(view.results.get("curves")),
                "regressions": bool(view.results.get("regressions")), "fresh": bool(view.results.get("fresh_gap")),
-               "tiers": bool((view.results.get("tiers") or {}).get("rows"))}
+               "tiers": bool((view.results.get("tiers") or {}).get("rows")),
+               "long-context": bool(_long_context_suites(view))}
     return "<nav>" + "".join(f'<a href="#{key}">{text}</a>' for key, text in links if present.get(key, True)) + "</nav>"
 
 
@@ -242,6 +243,36 @@ def _safety(view: _View) -> str:
             "<code>refusal</code> verifier.")
     return _section("safety", "Safety", lead, f'<div class="grid split"><div class="panel"><h3>refusal and over-refusal'
                     f'</h3>{view.legend()}{chart}</div><div class="panel">{table}</div></div>')
+
+
+def _long_context_suites(view: _View) -> list[str]:
+    return [s["name"] for s in view.suites if any("length_depth" in view.suite(l, s["name"]) for l in view.labels)]
+
+
+def _long_context(view: _View) -> str:
+    names = _long_context_suites(view)
+    if not names:
+        return ""
+    panels = []
+    for name in names:
+        for label in view.labels:
+            grid = view.suite(label, name).get("length_depth")
+            if not grid:
+                continue
+            rows = [_tokens(length) for length in grid["lengths"]]
+            values = [[None if cell is None else cell["pass@1"] for cell in row] for row in grid["cells"]]
+            counts = [[None if cell is None else cell["items"] for cell in row] for row in grid["cells"]]
+            svg = heat_map(rows, grid["depths"], values, counts=counts, label=f"{name} pass@1 by length and depth "
+                           f"({label})", row_title="tokens", column_title="depth of the evidence")
+            panels.append(f'<div class="panel"><h3>{_e(name)}<span class="tag">{_e(label)}</span></h3>{svg}</div>')
+    lead = ("pass@1 of the long-context suites by prompt length (the level's length in tokens, rows) and by where in "
+            "the document the evidence starts (columns, 0% = the top). A model that only reads the start or the end "
+            "of its context shows a column of red; one whose context extension did not take, rows of red.")
+    return _section("long-context", "Long context", lead, f'<div class="grid">{"".join(panels)}</div>')
+
+
+def _tokens(length: int) -> str:
+    return f"{length // 1024}k" if length >= 1024 and length % 1024 == 0 else str(length)
 
 
 def _curves(view: _View) -> str:

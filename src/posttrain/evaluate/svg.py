@@ -1,4 +1,5 @@
-"""Small inline-SVG charts for the report: lines (training curves), grouped bars, stacked bars, labelled points.
+"""Small inline-SVG charts for the report: lines (training curves), grouped bars, stacked bars, labelled points,
+heat maps.
 
 Hand-written rather than matplotlib so the report stays a few hundred kilobytes of crisp, scalable, hoverable
 markup (every point and bar has a ``<title>`` tooltip) that needs nothing but a browser. Every string that
@@ -226,6 +227,51 @@ def _y_grid(ticks: Sequence[float], sy, left: float, right_x: float, fraction: b
         body.append(f'<text x="{left - 6}" y="{sy(tick) + 3.5:.1f}" text-anchor="end" {FONT}>'
                     f'{fmt(tick, fraction)}</text>')
     return body
+
+
+def heat_color(value: float) -> str:
+    """A fraction in [0, 1] as a colour from red (0) through amber to green (1)."""
+    stops = [(0.0, (228, 87, 86)), (0.5, (238, 202, 59)), (1.0, (84, 162, 75))]
+    value = min(1.0, max(0.0, value))
+    for (x0, c0), (x1, c1) in zip(stops, stops[1:]):
+        if value <= x1:
+            t = (value - x0) / (x1 - x0)
+            return "#" + "".join(f"{round(a + (b - a) * t):02X}" for a, b in zip(c0, c1))
+    return "#54A24B"
+
+
+def heat_map(rows: Sequence[str], columns: Sequence[str], values: Sequence[Sequence[float | None]], *, label: str,
+             counts: Sequence[Sequence[int | None]] | None = None, row_title: str = "", column_title: str = "",
+             cell_w: int = 64, cell_h: int = 26) -> str:
+    """A grid of fractions (one row per `rows`, one column per `columns`): each cell coloured red to green and
+    labelled with its percentage; an empty cell (None) is grey. Tooltips give the counts when `counts` has them."""
+    left, top, bottom = 86, 22, 30
+    width, height = left + cell_w * len(columns) + 10, top + cell_h * len(rows) + bottom
+    body = [f'<text x="{left + cell_w * len(columns) / 2:.0f}" y="13" text-anchor="middle" {FONT}>'
+            f'{_escape(column_title)}</text>']
+    for c, name in enumerate(columns):
+        body.append(f'<text x="{left + c * cell_w + cell_w / 2:.0f}" y="{top + cell_h * len(rows) + 16}" '
+                    f'text-anchor="middle" {FONT}>{_escape(name)}</text>')
+    for r, name in enumerate(rows):
+        y = top + r * cell_h
+        body.append(f'<text x="{left - 8}" y="{y + cell_h / 2 + 4:.0f}" text-anchor="end" {FONT}>'
+                    f'{_escape(name)}</text>')
+        for c, value in enumerate(values[r]):
+            x = left + c * cell_w
+            count = counts[r][c] if counts is not None else None
+            if value is None:
+                body.append(f'<rect x="{x}" y="{y}" width="{cell_w - 2}" height="{cell_h - 2}" fill="#eef0f4">'
+                            f'<title>{_escape(name)} · {_escape(columns[c])}: no items</title></rect>')
+                continue
+            tip = f"{_escape(name)} · {_escape(columns[c])}: {value * 100:.1f}%" + (
+                f" of {count} item(s)" if count is not None else "")
+            body.append(f'<rect x="{x}" y="{y}" width="{cell_w - 2}" height="{cell_h - 2}" rx="2" '
+                        f'fill="{heat_color(value)}"><title>{tip}</title></rect>')
+            body.append(f'<text x="{x + cell_w / 2 - 1:.0f}" y="{y + cell_h / 2 + 3:.0f}" text-anchor="middle" '
+                        f'font-family="inherit" font-size="11" fill="#1d2330">{value * 100:.0f}%</text>')
+    if row_title:
+        body.append(f'<text x="8" y="{top - 8}" {FONT}>{_escape(row_title)}</text>')
+    return _frame(width, height, label, body)
 
 
 def _value(value: float, fraction: bool) -> str:

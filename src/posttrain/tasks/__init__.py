@@ -4,7 +4,9 @@
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
 Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
-``long_doc_qa``, ``agent`` (another domain's tasks done by a black-box agent program in the sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
+``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels are lengths in tokens, up to 32k),
+``agent`` (another domain's tasks done by a black-box agent program in the sandbox), ``dataset`` (a JSONL file or
+saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
 """
@@ -16,6 +18,8 @@ from posttrain.tasks import code as _code  # noqa: F401
 from posttrain.tasks import dataset as _dataset  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
+from posttrain.tasks import multi_doc_qa as _multi_doc_qa  # noqa: F401
+from posttrain.tasks import needle as _needle  # noqa: F401
 from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
 from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401
 from posttrain.tasks import safety as _safety  # noqa: F401
@@ -33,15 +37,18 @@ from posttrain.tasks.base import (
     tool_call_message,
     tool_result_message,
 )
+from posttrain.tasks.haystack import TokenCounter, filler_vocabulary
 from posttrain.tasks.reasoning_gym import reasoning_gym_names
 
 __all__ = [
     "DOMAINS",
     "Domain",
     "TaskError",
+    "TokenCounter",
     "demo_conversation",
     "demonstrations",
     "domain",
+    "filler_vocabulary",
     "get_domain",
     "reasoning_gym_names",
     "sample_tasks",

@@ -10,15 +10,23 @@ answer is the integer total.
 Difficulty = length and hops: level L has L + 2 pages (plus `filler_pages` narrative pages, for longer
 documents) and asks for L figures (L = 1..5). Judged by ``math``
 against the integer; the demonstration's reasoning trace lists each figure with its page, then the arithmetic.
+
+Long documents: with `lengths` (tokens, increasing), level L is instead filled to ``lengths[L - 1]`` tokens with
+more narrative pages (prior-year figures and filler sentences, `posttrain.tasks.haystack`) and asks for
+min(L, 5) figures, so ``lengths=[1024, 2048, 4096, 8192, 16384, 32768]`` gives six levels up to 32k tokens.
+Those tasks carry the heat map's ``length``, ``context_tokens`` and ``depth`` (where the first page holding a
+figure starts) like the other long-context domains.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any, Sequence
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import demo_sample, domain, task_id
+from posttrain.tasks.base import TaskError, demo_sample, domain, task_id
+from posttrain.tasks.haystack import Filler, TokenCounter, check_lengths, level_length
 from posttrain.types import Task
 
 _COMPANIES = ["Northwind Analytics", "Bluefin Robotics", "Cedar Health", "Helio Foods", "Quarry Logistics",
@@ -45,11 +53,22 @@ class LongDocQA:
     name = "long_doc_qa"
     max_level = 5
 
-    def __init__(self, filler_pages: int = 0, system_prompt: str | None = None):
+    def __init__(self, filler_pages: int = 0, system_prompt: str | None = None, lengths: Sequence[int] | None = None,
+                 tokenizer: Any = None, chars_per_token: float = 4.0, reserve_tokens: int = 32):
         self.filler_pages = filler_pages  # extra narrative pages at every level, for longer documents
         self.system_prompt = system_prompt
+        self.lengths = check_lengths(lengths, self.name, minimum=256) if lengths is not None else None
+        if self.lengths is not None:
+            self.max_level = len(self.lengths)
+            self.counter = TokenCounter(tokenizer, chars_per_token)
+            self.filler = Filler(self.counter)
+            self.reserve_tokens = reserve_tokens
+            self._markers: list[int] = []
+            self._separator_tokens = self.counter.count("\n\n")
 
     def make_task(self, rng: random.Random, level: int) -> Task:
+        length = level_length(self.lengths, level, self.name) if self.lengths else None
+        level_asked, level = level, min(level, 5)  # the tables and hops of level min(L, 5)
         company, year = rng.choice(_COMPANIES), rng.randint(2015, 2024)
         revenue = _rows(rng, rng.sample(_SEGMENTS, rng.randint(3, 4)), 200, 4000)
         expenses = _rows(rng, rng.sample(_EXPENSES, rng.randint(3, 4)), 50, 1500)
@@ -68,6 +87,13 @@ class LongDocQA:
             self._narrative(rng, year, revenue, expenses),
         ]
         pages += extras[: level - 1] + [self._narrative(rng, year, revenue, expenses) for _ in range(self.filler_pages)]
+        long_pages, base_tokens = [], []
+        if length is not None:
+            base_tokens = self.counter.counts(pages)
+            long_pages = self._long_pages(rng, year, revenue, expenses, sum(base_tokens), len(pages), level,
+                                          length - self.reserve_tokens)
+        first_long = len(pages)
+        pages += [self._long_text(page) for page in long_pages]
         order = [0] + rng.sample(range(1, len(pages)), len(pages) - 1)  # the cover stays first
         pages = [pages[i] for i in order]
         # (label, table, sign, page): the figures a question may combine; capex only once its page exists.
@@ -81,6 +107,31 @@ class LongDocQA:
         question = f"Compute {' '.join(terms)} (all in {year}, in $ thousands). Give the result as an integer."
         answer = sum(sign * value for sign, _, value, _ in figures)
         prompt = f"{document}\n\nQuestion: {question}"
+        long_metadata = {}
+        if length is not None:
+            page_tokens = base_tokens + [head_tokens + sum(self.filler.tokens[i] for i in picks)
+                                         for _, head_tokens, picks in long_pages]
+            summed = (sum(self._marker_tokens(len(pages))[:len(pages)]) + sum(page_tokens)
+                      + self._separator_tokens * (len(pages) - 1) + self.counter.count(f"\n\nQuestion: {question}"))
+            tokens = summed if self.counter.additive else self.counter.count(prompt)
+            while tokens > length - self.reserve_tokens:  # the question's allowance was short: trim filler
+                trimmed = [page for page in long_pages if page[2]]
+                if not trimmed:
+                    raise TaskError(f"long_doc_qa: level {level_asked} ({length} tokens) cannot hold the report's "
+                                    "tables; raise its length")
+                while tokens > length - self.reserve_tokens and any(page[2] for page in trimmed):
+                    longest = max(trimmed, key=lambda page: len(page[2]))
+                    tokens -= self.filler.tokens[longest[2].pop()]
+                for position, index in enumerate(order):
+                    if index >= first_long:
+                        pages[position] = self._long_text(long_pages[index - first_long])
+                document = "\n\n".join(f"--- Page {i} ---\n{text}" for i, text in enumerate(pages, start=1))
+                prompt = f"{document}\n\nQuestion: {question}"
+                if not self.counter.additive:
+                    tokens = self.counter.count(prompt)
+            first_page = document.find(f"--- Page {min(page for _, _, _, page in figures)} ---")
+            long_metadata = {"length": length, "context_tokens": tokens,
+                             "tokens_exact": self.counter.exact, "depth": round(first_page / len(document), 4)}
         messages = [{"role": "user", "content": prompt}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
@@ -92,14 +143,14 @@ class LongDocQA:
         return Task(
             id=task_id(self.name, key),
             domain=self.name,
-            difficulty=level,
+            difficulty=level_asked,
             messages=messages,
             verifier="math",
             verifier_args={"reference": str(answer)},
             max_steps=1,
             timeout_s=60.0,
             metadata={"problem_key": key, "answer": str(answer), "trace": trace, "pages": len(pages),
-                      "hops": len(figures)},
+                      "hops": len(figures), **long_metadata},
         )
 
     def demonstration(self, task: Task) -> SFTSample:
@@ -118,6 +169,34 @@ class LongDocQA:
             used.add((label, row, q))
             figures.append((sign, f"{row} {label} in {_QUARTERS[q]}", table[row][q], page))
         return figures
+
+    def _long_pages(self, rng, year, revenue, expenses, used: int, pages: int, hops: int, budget: int) -> list[list]:
+        """Narrative pages, [prior-year paragraph, its tokens, filler sentence indices] each, until the document
+        (`used` tokens in `pages` pages so far) holds about `budget` tokens with its question (allowed for)."""
+        markers = self._marker_tokens(pages + 1)
+        used += sum(markers[:pages]) + self._separator_tokens * pages + 40 + 20 * hops
+        more: list[list] = []
+        while True:
+            heads = [self._narrative(rng, year, revenue, expenses) for _ in range(32)]
+            for head, head_tokens in zip(heads, self.counter.counts(heads)):
+                cost = head_tokens + self._marker_tokens(pages + len(more) + 1)[pages + len(more)] + \
+                    self._separator_tokens
+                if used + cost > budget:
+                    return more
+                picks = self.filler.draw(rng, min(budget - used - cost, 400))
+                more.append([head, head_tokens, picks])
+                used += cost + sum(self.filler.tokens[i] for i in picks)
+
+    def _long_text(self, page: list) -> str:
+        head, _, picks = page
+        return head + "".join(" " + self.filler.sentences[i] for i in picks)
+
+    def _marker_tokens(self, count: int) -> list[int]:
+        """Tokens of "--- Page N ---\n" for N = 1..count (cached: the same for every task)."""
+        while len(self._markers) < count:
+            start = len(self._markers) + 1
+            self._markers += self.counter.counts([f"--- Page {n} ---\n" for n in range(start, start + 128)])
+        return self._markers
 
     @staticmethod
     def _narrative(rng, year, revenue, expenses) -> str:
