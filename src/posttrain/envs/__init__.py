@@ -5,10 +5,12 @@
 
 `rollout_episode` builds the trajectory token-exactly (the engine's ids plus chat-template deltas for
 observations), verifies the env's final state with `posttrain.verify`, and labels failures (see
-`posttrain.envs.episode`). Environments (``single_turn``, ``tools``) and tools (``calculator``, ``list_files``,
+`posttrain.envs.episode`). Environments (``single_turn``, ``tools``, and adapters of other ecosystems: ``gym``, ``openenv``) and tools (``calculator``, ``list_files``,
 ``read_file``, ``write_file``, ``run_tests``) are registries a user extends with ``@environment`` and ``@tool``.
 """
 
+from posttrain.envs import gym_env as _gym_env  # noqa: F401  (registers "gym")
+from posttrain.envs import openenv_env as _openenv_env  # noqa: F401  (registers "openenv")
 from posttrain.envs import single_turn as _single_turn  # noqa: F401  (registers "single_turn")
 from posttrain.envs import tool_env as _tool_env  # noqa: F401  (registers "tools")
 from posttrain.envs.base import (
@@ -24,7 +26,10 @@ from posttrain.envs.base import (
 )
 from posttrain.envs.calculator import CalculatorError
 from posttrain.envs.calculator import evaluate as evaluate_expression
-from posttrain.envs.episode import rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
+from posttrain.envs.external import env_reward, guarded, observation_text
+from posttrain.envs.gym_env import GymTextEnv
+from posttrain.envs.openenv_env import OpenEnvEnv
+from posttrain.envs.episode import process_reward, rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
@@ -42,7 +47,9 @@ __all__ = [
     "CalculatorError",
     "EnvError",
     "Environment",
+    "GymTextEnv",
     "Observation",
+    "OpenEnvEnv",
     "ParsedTurn",
     "SingleTurnEnv",
     "StepResult",
@@ -59,11 +66,15 @@ __all__ = [
     "Workspace",
     "WorkspaceError",
     "as_policy",
+    "env_reward",
     "environment",
     "evaluate_expression",
     "get_parser",
     "get_tool",
+    "guarded",
     "make_environment",
+    "observation_text",
+    "process_reward",
     "rollout_episode",
     "rollout_group",
     "rollout_many",

@@ -61,6 +61,7 @@ class ToolEnv:
             "tool_calls": len(turn.calls),
             "tool_calls_ok": ok,
             "failed": ok < len(turn.calls),
+            "step_reward": ok / len(turn.calls),  # the step check: a process reward (`posttrain.envs.episode`)
         }
         return StepResult(Observation(messages=observations), done=False, info=info)
 

@@ -1,0 +1,89 @@
+"""Domains over other ecosystems' environments: every task is one seeded episode of a Gymnasium env (``gym``) or
+of an OpenEnv server (``openenv``), judged by the environment's own reward (the ``environment`` verifier).
+
+    domains:
+      - {name: gym, args: {env_id: MyTextEnv-v0, max_steps: 4, instructions: "Answer with one word."}}
+      - {name: openenv, args: {base_url: "http://127.0.0.1:8000", max_steps: 6}}
+
+A task's problem is its seed, so the held-out split holds seeds training never draws. ``levels`` maps a difficulty
+level to extra environment arguments (gym: ``env_kwargs``, openenv: ``reset_kwargs``), e.g.
+``levels: {1: {length: 2}, 2: {length: 4}}``; without it the domain has one level. ``instructions`` (optional)
+is the system message before the env's first observation. Episode limits: ``max_steps`` turns, ``timeout_s`` of
+wall time, ``step_timeout_s`` per call into the environment (longer is an infrastructure failure). Register your
+Gymnasium env in a module named under the recipe's ``imports:``. See docs/envs.md.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from posttrain.data import SFTSample
+from posttrain.tasks.base import TaskError, domain, task_id
+from posttrain.types import Task
+
+_SEEDS = 10**9
+
+
+class _SeededEpisodes:
+    """One task per seed: the env args, the level's extra args under `level_key`, the seed."""
+
+    name = ""
+    level_key = ""
+
+    def __init__(self, env_args: dict[str, Any], identity: str, levels: dict[Any, dict[str, Any]] | None,
+                 instructions: str | None, max_steps: int, timeout_s: float):
+        if max_steps < 1:
+            raise TaskError(f"{self.name}: max_steps must be at least 1")
+        self.env_args = env_args
+        self.identity = identity
+        self.levels = {int(level): dict(extra) for level, extra in (levels or {1: {}}).items()}
+        if sorted(self.levels) != list(range(1, len(self.levels) + 1)):
+            raise TaskError(f"{self.name}: levels must be numbered 1..N, got {sorted(self.levels)}")
+        self.max_level = len(self.levels)
+        self.instructions = instructions
+        self.max_steps = max_steps
+        self.timeout_s = timeout_s
+
+    def make_task(self, rng: random.Random, level: int) -> Task:
+        seed = rng.randrange(_SEEDS)
+        key = f"{self.name}:{self.identity}:{level}:{seed}"
+        env_args = {**self.env_args, "seed": seed}
+        extra = self.levels[level]
+        if extra:
+            env_args[self.level_key] = {**env_args.get(self.level_key, {}), **extra}
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return Task(id=task_id(self.name, key), domain=self.name, messages=messages, verifier="environment",
+                    difficulty=level, env=self.name, env_args=env_args, max_steps=self.max_steps,
+                    timeout_s=self.timeout_s, metadata={"problem_key": key, "seed": seed})
+
+    def demonstration(self, task: Task) -> SFTSample:
+        raise TaskError(f"{self.name}: an external environment has no demonstrations (train it with RL)")
+
+
+@domain("gym")
+class GymDomain(_SeededEpisodes):
+    name = "gym"
+    level_key = "env_kwargs"
+
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any] | None = None, levels: dict[Any, dict] | None = None,
+                 instructions: str | None = None, max_steps: int = 8, timeout_s: float = 60.0,
+                 step_timeout_s: float = 30.0, outcome: str = "return", pass_threshold: float = 1.0):
+        env_args = {"env_id": env_id, "env_kwargs": dict(env_kwargs or {}), "outcome": outcome,
+                    "pass_threshold": pass_threshold, "step_timeout_s": step_timeout_s}
+        super().__init__(env_args, env_id, levels, instructions, max_steps, timeout_s)
+
+
+@domain("openenv")
+class OpenEnvDomain(_SeededEpisodes):
+    name = "openenv"
+    level_key = "reset_kwargs"
+
+    def __init__(self, base_url: str, reset_kwargs: dict[str, Any] | None = None, action_field: str = "message",
+                 observation_field: str | None = None, levels: dict[Any, dict] | None = None,
+                 instructions: str | None = None, max_steps: int = 8, timeout_s: float = 60.0,
+                 step_timeout_s: float = 30.0, outcome: str = "return", pass_threshold: float = 1.0):
+        env_args = {"base_url": base_url, "reset_kwargs": dict(reset_kwargs or {}), "action_field": action_field,
+                    "observation_field": observation_field, "outcome": outcome, "pass_threshold": pass_threshold,
+                    "step_timeout_s": step_timeout_s}
+        super().__init__(env_args, base_url, levels, instructions, max_steps, timeout_s)
