@@ -7,7 +7,8 @@ server's HTTP port), resets it (with ``seed`` and ``reset_kwargs``), and sends e
 ``{action_field: text}``. The observation's ``observation_field`` (or its one text field) is the next user
 message. The server's step rewards are the steps' ``step_reward`` (their mean is the ``process`` component); the
 outcome is their sum (``outcome: return``) or the last one (``outcome: final``); ``passed`` is
-``score >= pass_threshold``, unless the observation's ``metadata`` carries ``success``.
+``score >= pass_threshold``, unless the observation has a boolean ``success`` field (OpenEnv does not send an
+observation's ``metadata`` to the client).
 
 A server that cannot be reached, refuses a session, crashes, answers an error or does not answer within
 ``step_timeout_s`` makes the episode an infrastructure failure (masked and retried, never a 0).
@@ -63,9 +64,8 @@ class OpenEnvEnv:
         if result.reward is not None:
             self.rewards.append(float(result.reward))
             info["step_reward"] = float(result.reward)
-        metadata = result.observation.get("metadata") if isinstance(result.observation, dict) else None
-        if isinstance(metadata, dict) and "success" in metadata:
-            self.success = bool(metadata["success"])
+        if isinstance(result.observation, dict) and isinstance(result.observation.get("success"), bool):
+            self.success = result.observation["success"]
         if result.done:
             await self._close()
             return StepResult(Observation(), done=True, info=info)
