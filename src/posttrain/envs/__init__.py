@@ -5,7 +5,8 @@
 
 `rollout_episode` builds the trajectory token-exactly (the engine's ids plus chat-template deltas for
 observations), verifies the env's final state with `posttrain.verify`, and labels failures (see
-`posttrain.envs.episode`). Environments (``single_turn``, ``tools``, and adapters of other ecosystems: ``gym``, ``openenv``) and tools (``calculator``, ``list_files``,
+`posttrain.envs.episode`). Environments (``single_turn``, ``tools``, and adapters of other ecosystems: ``gym``, ``openenv``,
+``verifiers``) and tools (``calculator``, ``list_files``,
 ``read_file``, ``write_file``, ``run_tests``) are registries a user extends with ``@environment`` and ``@tool``.
 """
 
@@ -13,6 +14,7 @@ from posttrain.envs import gym_env as _gym_env  # noqa: F401  (registers "gym")
 from posttrain.envs import openenv_env as _openenv_env  # noqa: F401  (registers "openenv")
 from posttrain.envs import single_turn as _single_turn  # noqa: F401  (registers "single_turn")
 from posttrain.envs import tool_env as _tool_env  # noqa: F401  (registers "tools")
+from posttrain.envs import verifiers_env as _verifiers_env  # noqa: F401  (registers "verifiers")
 from posttrain.envs.base import (
     ENVIRONMENTS,
     Action,
@@ -35,6 +37,7 @@ from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
 from posttrain.envs.tokens import TranscriptTokens
 from posttrain.envs.tool_env import ToolEnv
+from posttrain.envs.verifiers_env import VerifiersEnv
 from posttrain.envs.tools import TOOLS, ToolContext, ToolError, ToolSpec, get_tool, tool, tool_schemas
 from posttrain.envs.workspace import Workspace, WorkspaceError
 
@@ -63,6 +66,7 @@ __all__ = [
     "ToolInfraError",
     "ToolSpec",
     "TranscriptTokens",
+    "VerifiersEnv",
     "Workspace",
     "WorkspaceError",
     "as_policy",

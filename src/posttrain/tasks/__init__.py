@@ -7,7 +7,8 @@ Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), `
 ``long_doc_qa``, ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
-ecosystems' environments: ``gym`` (Gymnasium text envs) and ``openenv`` (OpenEnv servers), `posttrain.tasks.external`. See docs/tasks.md to add one.
+ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
+tasksets), `posttrain.tasks.external`. See docs/tasks.md to add one.
 """
 
 from posttrain.tasks import arithmetic as _arithmetic  # noqa: F401  (each import registers its domain)

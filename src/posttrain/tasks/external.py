@@ -1,5 +1,6 @@
-"""Domains over other ecosystems' environments: every task is one seeded episode of a Gymnasium env (``gym``) or
-of an OpenEnv server (``openenv``), judged by the environment's own reward (the ``environment`` verifier).
+"""Domains over other ecosystems' environments. ``gym`` and ``openenv``: every task is one seeded episode of a
+Gymnasium env or of an OpenEnv server, judged by the environment's own reward (the ``environment`` verifier).
+``verifiers``: the tasks of a prime-rl verifiers taskset, judged by its rewards (the ``verifiers`` verifier).
 
     domains:
       - {name: gym, args: {env_id: MyTextEnv-v0, max_steps: 4, instructions: "Answer with one word."}}
@@ -87,3 +88,44 @@ class OpenEnvDomain(_SeededEpisodes):
                     "observation_field": observation_field, "outcome": outcome, "pass_threshold": pass_threshold,
                     "step_timeout_s": step_timeout_s}
         super().__init__(env_args, base_url, levels, instructions, max_steps, timeout_s)
+
+
+@domain("verifiers")
+class VerifiersDomain:
+    """The tasks of a prime-rl `verifiers` taskset (an installed taskset id, or a module exporting one `Taskset`),
+    built with `config`; each draw is one of its tasks, judged by its own rewards (`posttrain.envs.verifiers_env`).
+    One level; ``max_steps`` > 1 gives a task with toolsets room for tool calls."""
+
+    name = "verifiers"
+    max_level = 1
+
+    def __init__(self, taskset: str, config: dict[str, Any] | None = None, max_steps: int = 1,
+                 timeout_s: float = 60.0, tool_timeout_s: float = 30.0, pass_threshold: float | None = None,
+                 max_tasks: int = 100_000):
+        from posttrain.verify import VerifyError, verifiers_tasks
+
+        if max_steps < 1:
+            raise TaskError("verifiers: max_steps must be at least 1")
+        try:
+            self.tasks = verifiers_tasks(taskset, config, max_tasks)
+        except VerifyError as error:
+            raise TaskError(str(error)) from None
+        self.taskset, self.config, self.max_tasks = taskset, dict(config or {}), max_tasks
+        self.max_steps, self.timeout_s, self.tool_timeout_s = max_steps, timeout_s, tool_timeout_s
+        self.pass_threshold = pass_threshold
+
+    def make_task(self, rng: random.Random, level: int) -> Task:
+        from posttrain.envs.verifiers_env import vf_task_messages
+
+        index = rng.randrange(len(self.tasks))
+        vf_task = self.tasks[index]
+        key = f"verifiers:{self.taskset}:{vf_task.key}"
+        where = {"taskset": self.taskset, "index": index, "config": self.config, "max_tasks": self.max_tasks}
+        return Task(id=task_id(self.name, key), domain=self.name, messages=vf_task_messages(vf_task),
+                    verifier="verifiers", verifier_args={**where, "pass_threshold": self.pass_threshold},
+                    env="verifiers", env_args={**where, "tool_timeout_s": self.tool_timeout_s},
+                    max_steps=self.max_steps, timeout_s=self.timeout_s,
+                    metadata={"problem_key": key, "verifiers_index": index})
+
+    def demonstration(self, task: Task) -> SFTSample:
+        raise TaskError("verifiers: a verifiers taskset has no demonstrations here (train it with RL)")
