@@ -37,7 +37,7 @@ from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
 from posttrain.envs.tokens import TranscriptTokens
 from posttrain.envs.tool_env import ToolEnv
-from posttrain.envs.verifiers_env import VerifiersEnv
+from posttrain.envs.verifiers_env import VerifiersEnv, vf_task_messages
 from posttrain.envs.tools import TOOLS, ToolContext, ToolError, ToolSpec, get_tool, tool, tool_schemas
 from posttrain.envs.workspace import Workspace, WorkspaceError
 
@@ -86,4 +86,5 @@ __all__ = [
     "run_episodes",
     "tool",
     "tool_schemas",
+    "vf_task_messages",
 ]

@@ -20,6 +20,7 @@ import random
 from typing import Any
 
 from posttrain.data import SFTSample
+from posttrain.envs import vf_task_messages
 from posttrain.tasks.base import TaskError, domain, task_id
 from posttrain.types import Task
 
@@ -115,8 +116,6 @@ class VerifiersDomain:
         self.pass_threshold = pass_threshold
 
     def make_task(self, rng: random.Random, level: int) -> Task:
-        from posttrain.envs.verifiers_env import vf_task_messages
-
         index = rng.randrange(len(self.tasks))
         vf_task = self.tasks[index]
         key = f"verifiers:{self.taskset}:{vf_task.key}"
