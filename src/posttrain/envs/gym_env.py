@@ -11,7 +11,8 @@ so far and ``FailureClass.FORMAT``.
 
 Rewards: each step's reward is the step's ``step_reward`` (the episode's ``process`` component is their mean,
 `posttrain.envs.episode`); the outcome is the episode's return (``outcome: return``, the sum of the step rewards)
-or its last step's reward (``outcome: final``). ``passed``: ``info["success"]`` / ``info["is_success"]`` of the
+or its last step's reward (``outcome: final``), or 1/0 by the env's reported success (``outcome: success``: a
+sparse outcome beside the dense step rewards, the case process rewards are for). ``passed``: ``info["success"]`` / ``info["is_success"]`` of the
 last step when the env reports one, else ``score >= pass_threshold`` (default 1). Episode limits come from the
 task (``max_steps``, ``timeout_s``: the recipe's domain arguments); the env's own `TimeLimit` may end it sooner.
 
@@ -34,8 +35,8 @@ class GymTextEnv:
     def __init__(self, env_id: str, env_kwargs: dict[str, Any] | None = None, seed: int | None = None,
                  outcome: str = "return", pass_threshold: float = 1.0, step_timeout_s: float = 30.0,
                  sandbox: Any = None, parser: Any = None):
-        if outcome not in ("return", "final"):
-            raise EnvError(f"gym env {env_id!r}: outcome must be 'return' or 'final', got {outcome!r}")
+        if outcome not in ("return", "final", "success"):
+            raise EnvError(f"gym env {env_id!r}: outcome must be 'return', 'final' or 'success', got {outcome!r}")
         self.env_id = env_id
         self.env_kwargs = dict(env_kwargs or {})
         self.seed = seed
@@ -104,7 +105,10 @@ class GymTextEnv:
     def final_state(self) -> dict[str, Any]:
         if self.env is not None:
             self.env.close()
-        score = sum(self.rewards) if self.outcome == "return" else (self.rewards[-1] if self.rewards else 0.0)
+        if self.outcome == "success":
+            score = float(bool(self.success))
+        else:
+            score = sum(self.rewards) if self.outcome == "return" else (self.rewards[-1] if self.rewards else 0.0)
         passed = self.success if self.success is not None else score >= self.pass_threshold
         details: dict[str, Any] = {"env_id": self.env_id, "env_steps": len(self.rewards)}
         if self.invalid_action is not None:

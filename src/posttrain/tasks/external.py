@@ -8,8 +8,8 @@ Gymnasium env or of an OpenEnv server, judged by the environment's own reward (t
 
 A task's problem is its seed, so the held-out split holds seeds training never draws. ``levels`` maps a difficulty
 level to extra environment arguments (gym: ``env_kwargs``, openenv: ``reset_kwargs``), e.g.
-``levels: {1: {length: 2}, 2: {length: 4}}``; without it the domain has one level. ``instructions`` (optional)
-is the system message before the env's first observation. Episode limits: ``max_steps`` turns, ``timeout_s`` of
+``levels: {1: {length: 2}, 2: {length: 4}}``; without it the domain has one level. ``instructions`` is the
+system message before the env's first observation (a generic one by default). Episode limits: ``max_steps`` turns, ``timeout_s`` of
 wall time, ``step_timeout_s`` per call into the environment (longer is an infrastructure failure). Register your
 Gymnasium env in a module named under the recipe's ``imports:``. See docs/envs.md.
 """
@@ -25,6 +25,8 @@ from posttrain.tasks.base import TaskError, domain, task_id
 from posttrain.types import Task
 
 _SEEDS = 10**9
+# A task needs a message of its own (prompts are rendered before an episode starts, for batching and statistics).
+DEFAULT_INSTRUCTIONS = "Each user message is an observation from the environment; reply with your action."
 
 
 class _SeededEpisodes:
@@ -54,7 +56,7 @@ class _SeededEpisodes:
         extra = self.levels[level]
         if extra:
             env_args[self.level_key] = {**env_args.get(self.level_key, {}), **extra}
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages = [{"role": "system", "content": self.instructions or DEFAULT_INSTRUCTIONS}]
         return Task(id=task_id(self.name, key), domain=self.name, messages=messages, verifier="environment",
                     difficulty=level, env=self.name, env_args=env_args, max_steps=self.max_steps,
                     timeout_s=self.timeout_s, metadata={"problem_key": key, "seed": seed})

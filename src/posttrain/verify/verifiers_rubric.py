@@ -1,7 +1,8 @@
 """The ``verifiers`` verifier: an episode judged by the rewards of a prime-rl `verifiers` (v1) task.
 
 A `verifiers` taskset is loaded through the package's own loader (`verifiers.v1.utils.loaders`: an installed
-taskset package by id, or any importable module exporting one `Taskset` subclass in ``__all__``) and its tasks are
+taskset package by id, any importable module exporting one `Taskset` subclass in ``__all__``, or such a
+``.py`` file) and its tasks are
 cached per (taskset, config). To judge an episode, its transcript (``final_state["messages"]``, posttrain's chat
 messages) becomes a `verifiers.v1.Trace` -- a linear message graph whose assistant turns are marked sampled, with
 tool calls paired to their results -- and the task's own `Task.score` runs its ``@vf.reward`` functions (and
@@ -18,9 +19,11 @@ import asyncio
 import json
 import threading
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 from posttrain.types import FailureClass, Reward
+from posttrain.usercode import import_entry, is_file_ref
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.registry import verifier
 
@@ -42,6 +45,8 @@ def _load(taskset: str, config: dict[str, Any], max_tasks: int) -> list[Any]:
         from verifiers.v1.utils.loaders import load_taskset, taskset_config_type
     except ImportError:
         raise VerifyError("verifiers environments need the verifiers package: pip install verifiers") from None
+    if is_file_ref(taskset):
+        taskset = _file_taskset(taskset)
     try:
         settings = taskset_config_type(taskset).model_validate({**config, "id": taskset})
         tasks = list(islice(iter(load_taskset(settings)), max_tasks))
@@ -50,6 +55,17 @@ def _load(taskset: str, config: dict[str, Any], max_tasks: int) -> list[Any]:
     if not tasks:
         raise VerifyError(f"verifiers taskset {taskset!r} has no tasks (config {config})")
     return tasks
+
+
+def _file_taskset(path: str) -> str:
+    """Import a taskset file and make it importable by its stem, the only form verifiers' loader takes."""
+    import sys
+
+    module = import_entry(path)
+    name = Path(path).stem.replace("-", "_").lower()
+    if sys.modules.setdefault(name, module) is not module:
+        raise VerifyError(f"verifiers taskset file {path}: a module named {name!r} is already imported; rename it")
+    return name
 
 
 def to_trace(vf_task: Any, messages: list[dict[str, Any]]) -> Any:
