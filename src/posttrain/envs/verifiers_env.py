@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from posttrain.envs.base import Action, EnvError, Observation, StepResult, ToolInfraError, environment
 from posttrain.envs.parsing import get_parser
+from posttrain.envs.tool_env import tool_turn
 from posttrain.types import Task
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
@@ -98,17 +99,7 @@ class VerifiersEnv:
             self.answer = action.text
             return StepResult(Observation(), done=True, info={
                 "assistant_message": {"role": "assistant", "content": action.text}, "final_answer": action.text})
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-        if turn.well_formed:
-            message["tool_calls"] = [call.to_message() for call in turn.well_formed]
-        results, ok = [], 0
-        for call in turn.calls:
-            content, succeeded = await self._call(call)
-            ok += succeeded
-            results.append({"role": "tool", "name": call.name or "error", "content": content})
-        info = {"assistant_message": message, "tool_calls": len(turn.calls), "tool_calls_ok": ok,
-                "failed": ok < len(turn.calls), "step_reward": ok / len(turn.calls)}
-        return StepResult(Observation(messages=results), done=False, info=info)
+        return await tool_turn(turn, self._call)
 
     async def _call(self, call: Any) -> tuple[str, bool]:
         if call.error is not None:
