@@ -82,7 +82,7 @@ if vf is not None:
             return digit_share(trace.last_reply)
 
     class DigitsConfig(vf.TasksetConfig):
-        num_tasks: int = 200
+        num_tasks: int = 400
 
     class DigitsTaskset(vf.Taskset[DigitsTask, DigitsConfig]):
         def load(self):

@@ -17,12 +17,14 @@ Gymnasium env in a module named under the recipe's ``imports:``. See docs/envs.m
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 from posttrain.data import SFTSample
 from posttrain.envs import vf_task_messages
 from posttrain.tasks.base import TaskError, domain, task_id
 from posttrain.types import Task
+from posttrain.usercode import is_file_ref
 
 _SEEDS = 10**9
 # A task needs a message of its own (prompts are rendered before an episode starts, for batching and statistics).
@@ -114,13 +116,14 @@ class VerifiersDomain:
         except VerifyError as error:
             raise TaskError(str(error)) from None
         self.taskset, self.config, self.max_tasks = taskset, dict(config or {}), max_tasks
+        self.source = Path(taskset).stem if is_file_ref(taskset) else taskset
         self.max_steps, self.timeout_s, self.tool_timeout_s = max_steps, timeout_s, tool_timeout_s
         self.pass_threshold = pass_threshold
 
     def make_task(self, rng: random.Random, level: int) -> Task:
         index = rng.randrange(len(self.tasks))
         vf_task = self.tasks[index]
-        key = f"verifiers:{self.taskset}:{vf_task.key}"
+        key = f"verifiers:{self.source}:{vf_task.key}"  # a file's stem, not its path: the split is the same anywhere
         where = {"taskset": self.taskset, "index": index, "config": self.config, "max_tasks": self.max_tasks}
         return Task(id=task_id(self.name, key), domain=self.name, messages=vf_task_messages(vf_task),
                     verifier="verifiers", verifier_args={**where, "pass_threshold": self.pass_threshold},
