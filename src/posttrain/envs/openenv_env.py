@@ -50,15 +50,23 @@ class OpenEnvEnv:
 
         self.client = GenericEnvClient(base_url=self.base_url, connect_timeout_s=self.connect_timeout_s,
                                        message_timeout_s=self.step_timeout_s)
-        await guarded(self.client.connect(), self.connect_timeout_s + 1.0, f"OpenEnv server {self.base_url}")
-        result = await guarded(self.client.reset(**self.reset_kwargs), self.step_timeout_s,
-                               f"OpenEnv reset at {self.base_url}")
+        try:
+            await guarded(self.client.connect(), self.connect_timeout_s + 1.0, f"OpenEnv server {self.base_url}")
+            result = await guarded(self.client.reset(**self.reset_kwargs), self.step_timeout_s,
+                                   f"OpenEnv reset at {self.base_url}")
+        except Exception:
+            await self._close()  # a failed episode does not keep its session open
+            raise
         return Observation(messages=[*(dict(m) for m in task.messages), self._message(result.observation)])
 
     async def step(self, action: Action) -> StepResult:
         self.answer = action.text
-        result = await guarded(self.client.step({self.action_field: action.text}), self.step_timeout_s,
-                               f"OpenEnv step at {self.base_url}")
+        try:
+            result = await guarded(self.client.step({self.action_field: action.text}), self.step_timeout_s,
+                                   f"OpenEnv step at {self.base_url}")
+        except Exception:
+            await self._close()
+            raise
         info: dict[str, Any] = {"assistant_message": {"role": "assistant", "content": action.text},
                                 "final_answer": action.text}
         if result.reward is not None:
