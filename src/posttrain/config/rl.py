@@ -130,6 +130,17 @@ class RewardModelConfig(Section):
     batch_size: int = Field(32, gt=0)  # sequences per scoring forward
 
 
+class ProcessRewardModelConfig(Section):
+    """A process reward model: a reward model (trained with `posttrain rm` on step-labelled pairs: the same prefix
+    continued by a good and by a bad step) that scores every policy turn of a trained trajectory -- the token ids
+    up to the end of that turn, exactly as sampled. The mean over the turns replaces the environment's step
+    rewards as the reward's ``process`` component, which the return weighs by ``returns.process_weight``."""
+
+    path: str  # a `posttrain rm` run directory or its final/, or any one-label sequence-classification model dir
+    normalize: bool = True  # (r - mean) / std with the model's reward_stats.json
+    batch_size: int = Field(32, gt=0)
+
+
 class CriticConfig(Section):
     """The value model of `algorithm.advantage: gae`: a causal LM trunk with a scalar value head on every token."""
 
@@ -319,6 +330,7 @@ class RLRecipe(Section):
     # verifier alone
     rewards: list[RewardTerm] = []
     reward_model: RewardModelConfig | None = None  # a learned reward component beside the verifiers
+    process_reward_model: ProcessRewardModelConfig | None = None  # per-turn scores as the process component
     critic: CriticConfig = CriticConfig()  # used by algorithm.advantage: gae
     pipeline: PipelineConfig = PipelineConfig()
     optim: OptimConfig = OptimConfig(lr=1e-4, schedule="constant", max_grad_norm=1.0)

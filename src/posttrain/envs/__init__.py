@@ -6,14 +6,18 @@
 `rollout_episode` builds the trajectory token-exactly (the engine's ids plus chat-template deltas for
 observations), verifies the env's final state with `posttrain.verify`, and labels failures (see
 `posttrain.envs.episode`). Environments (``single_turn``, ``tools``, ``agent``: a black-box agent program run in
-the sandbox against a recording OpenAI endpoint, `posttrain.envs.agent`) and tools (``calculator``, ``list_files``,
+the sandbox against a recording OpenAI endpoint, `posttrain.envs.agent`; adapters of other ecosystems: ``gym``,
+``openenv``, ``verifiers``) and tools (``calculator``, ``list_files``,
 ``read_file``, ``write_file``, ``run_tests``) are registries a user extends with ``@environment`` and ``@tool``.
 """
 
+from posttrain.envs import gym_env as _gym_env  # noqa: F401  (registers "gym")
+from posttrain.envs import openenv_env as _openenv_env  # noqa: F401  (registers "openenv")
 from posttrain.envs import single_turn as _single_turn  # noqa: F401  (registers "single_turn")
 from posttrain.envs.agent import AgentEnv, DrivenEpisode  # (registers "agent")
 from posttrain.envs.agent_endpoint import EndpointLimits, RecordingEndpoint
 from posttrain.envs import tool_env as _tool_env  # noqa: F401  (registers "tools")
+from posttrain.envs import verifiers_env as _verifiers_env  # noqa: F401  (registers "verifiers")
 from posttrain.envs.base import (
     ENVIRONMENTS,
     Action,
@@ -27,12 +31,16 @@ from posttrain.envs.base import (
 )
 from posttrain.envs.calculator import CalculatorError
 from posttrain.envs.calculator import evaluate as evaluate_expression
-from posttrain.envs.episode import rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
+from posttrain.envs.external import env_reward, guarded, observation_text
+from posttrain.envs.gym_env import GymTextEnv
+from posttrain.envs.openenv_env import OpenEnvEnv
+from posttrain.envs.episode import process_reward, rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
 from posttrain.envs.tokens import TranscriptTokens
 from posttrain.envs.tool_env import ToolEnv
+from posttrain.envs.verifiers_env import VerifiersEnv, vf_task_messages
 from posttrain.envs.tools import TOOLS, ToolContext, ToolError, ToolSpec, get_tool, tool, tool_schemas
 from posttrain.envs.workspace import Workspace, WorkspaceError
 
@@ -48,7 +56,9 @@ __all__ = [
     "EndpointLimits",
     "EnvError",
     "Environment",
+    "GymTextEnv",
     "Observation",
+    "OpenEnvEnv",
     "ParsedTurn",
     "RecordingEndpoint",
     "SingleTurnEnv",
@@ -63,14 +73,19 @@ __all__ = [
     "ToolInfraError",
     "ToolSpec",
     "TranscriptTokens",
+    "VerifiersEnv",
     "Workspace",
     "WorkspaceError",
     "as_policy",
+    "env_reward",
     "environment",
     "evaluate_expression",
     "get_parser",
     "get_tool",
+    "guarded",
     "make_environment",
+    "observation_text",
+    "process_reward",
     "rollout_episode",
     "rollout_group",
     "rollout_many",
@@ -78,4 +93,5 @@ __all__ = [
     "run_episodes",
     "tool",
     "tool_schemas",
+    "vf_task_messages",
 ]

@@ -24,6 +24,12 @@ Failure classes (``Trajectory.reward.failure``), first match wins:
 
 ``env_args["step_cost"]`` adds a ``step_cost`` component (``-cost * (steps - 1)``) to the reward for the RL return; the
 score itself stays the verifier's outcome, so evaluation and training read the same number.
+
+**Process rewards.** A step may report ``info["step_reward"]`` (a Gymnasium or OpenEnv step reward, a verifiers
+per-turn score, a tool env's step check: the share of the step's tool calls that succeeded). The mean over the
+steps that reported one becomes the reward's ``process`` component (the step rewards are kept in
+``details["step_rewards"]``), which the RL return weighs by ``returns.process_weight``
+(`posttrain.rl.advantages.episode_return`); the score stays the outcome.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class _Episode:
     finish_reasons: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)  # an environment's own report (agents: calls, segments)
     pending_infra: _Infra | None = None  # a driven episode that failed after its tokens were recorded
+    step_rewards: list[float | None] = field(default_factory=list)  # per step: the env's ``step_reward``, if any
 
 
 async def rollout_episode(
@@ -240,6 +247,8 @@ async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_
         episode.tool_calls_ok += int(result.info.get("tool_calls_ok", 0))
         episode.last_step_failed = bool(result.info.get("failed", False))
         episode.failed_steps += episode.last_step_failed
+        step_reward = result.info.get("step_reward")
+        episode.step_rewards.append(None if step_reward is None else float(step_reward))
         if "final_answer" in result.info:
             episode.final_answer = result.info["final_answer"]
         if action.truncated:
@@ -301,6 +310,10 @@ def _classify(reward: Reward, episode: _Episode, task: Task) -> Reward:
     if step_cost:
         # Same convention as the RL return (`posttrain.rl.advantages.episode_return`): the first step is free.
         reward.components["step_cost"] = -step_cost * max(0, episode.steps - 1)
+    process = process_reward(episode.step_rewards)
+    if process is not None and not reward.is_infrastructure_failure:
+        reward.components.setdefault("process", process)
+        reward.details.setdefault("step_rewards", list(episode.step_rewards))
     if reward.is_infrastructure_failure or reward.passed:
         if reward.passed:
             reward.failure = FailureClass.NONE
@@ -315,6 +328,12 @@ def _classify(reward: Reward, episode: _Episode, task: Task) -> Reward:
     elif reward.failure == FailureClass.NONE:
         reward.failure = FailureClass.WRONG_ANSWER
     return reward
+
+
+def process_reward(step_rewards: Sequence[float | None]) -> float | None:
+    """The episode's process reward: the mean of the step rewards its steps reported (None when none did)."""
+    reported = [r for r in step_rewards if r is not None]
+    return sum(reported) / len(reported) if reported else None
 
 
 def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, episode: _Episode,

@@ -14,13 +14,34 @@ is the last answer and the workspace's files, which is what verifiers of agentic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from posttrain.envs.base import Action, Observation, StepResult, environment
-from posttrain.envs.parsing import ToolCall, get_parser
+from posttrain.envs.parsing import ParsedTurn, ToolCall, get_parser
 from posttrain.envs.tools import ToolContext, ToolError, get_tool, tool_schemas
 from posttrain.envs.workspace import Workspace
 from posttrain.types import Message, Task
+
+
+async def tool_turn(turn: ParsedTurn, run: Callable[[ToolCall], Awaitable[tuple[str, bool]]]) -> StepResult:
+    """The step of a turn with tool calls: `run` each call in order (its observation text, whether it succeeded),
+    one tool message each; the step check (the share of calls that succeeded) is the step's ``step_reward``."""
+    message: Message = {"role": "assistant", "content": turn.content}
+    if turn.well_formed:
+        message["tool_calls"] = [call.to_message() for call in turn.well_formed]
+    observations, ok = [], 0
+    for call in turn.calls:
+        content, succeeded = await run(call)
+        ok += succeeded
+        observations.append({"role": "tool", "name": call.name or "error", "content": content})
+    info = {
+        "assistant_message": message,
+        "tool_calls": len(turn.calls),
+        "tool_calls_ok": ok,
+        "failed": ok < len(turn.calls),
+        "step_reward": ok / len(turn.calls),  # the step check: a process reward (`posttrain.envs.episode`)
+    }
+    return StepResult(Observation(messages=observations), done=False, info=info)
 
 
 @environment("tools")
@@ -48,21 +69,7 @@ class ToolEnv:
         turn = self.parser.parse(action.text)
         if not turn.calls:
             return self._final(action.text)
-        message: Message = {"role": "assistant", "content": turn.content}
-        if turn.well_formed:
-            message["tool_calls"] = [call.to_message() for call in turn.well_formed]
-        observations, ok = [], 0
-        for call in turn.calls:
-            content, succeeded = await self._run(call)
-            ok += succeeded
-            observations.append({"role": "tool", "name": call.name or "error", "content": content})
-        info = {
-            "assistant_message": message,
-            "tool_calls": len(turn.calls),
-            "tool_calls_ok": ok,
-            "failed": ok < len(turn.calls),
-        }
-        return StepResult(Observation(messages=observations), done=False, info=info)
+        return await tool_turn(turn, self._run)
 
     async def _run(self, call: ToolCall) -> tuple[str, bool]:
         assert self.task is not None

@@ -12,6 +12,11 @@ without gradients, so the reward model takes no part in rollouts.
 The verifier's score stays the episode's score (pass rates, the curriculum and the guard read it); the learned
 part is reported beside it: ``reward/verifier`` and ``reward/learned`` (mean raw, normalised score over the scored
 trajectories), ``return/learned`` (weighted), and ``learned_reward`` in each scored episode's record.
+
+`ProcessRewardModel` (the recipe's `process_reward_model:`) is the same kind of model used per step: it scores each
+policy turn of a trajectory -- the token ids from the start up to the last token of that turn -- and the mean over
+the turns becomes the reward's ``process`` component (the per-turn scores in ``details["step_scores"]``), in place
+of the environment's step rewards; ``returns.process_weight`` weighs it into the return (`rl.advantages`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.config import ConfigError, RewardModelConfig
+from posttrain.config import ConfigError, ProcessRewardModelConfig, RewardModelConfig
 from posttrain.models import RewardModel, load_reward_model
 from posttrain.types import Trajectory
 
@@ -60,3 +65,35 @@ class LearnedReward:
         """The return's learned part of a scored trajectory (None if it was not scored)."""
         score = trajectory.metadata.get(LEARNED_REWARD_KEY)
         return None if score is None else self.config.weight * float(score)
+
+
+def turn_ends(loss_mask: Sequence[int]) -> list[int]:
+    """The exclusive end of every run of policy tokens (one per policy turn), in order."""
+    return [i + 1 for i, flag in enumerate(loss_mask) if flag and (i + 1 == len(loss_mask) or not loss_mask[i + 1])]
+
+
+class ProcessRewardModel:
+    """The recipe's `process_reward_model:` section, loaded: scores each policy turn, sets the process component."""
+
+    def __init__(self, config: ProcessRewardModelConfig, tokenizer: Any, device: torch.device):
+        self.config = config
+        self.model = load_scorer(config.path, tokenizer, device, key="process_reward_model.path",
+                                 normalize=config.normalize, batch_size=config.batch_size)
+
+    def annotate(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        prefixes, owners = [], []
+        for index, trajectory in enumerate(trajectories):
+            for end in turn_ends(trajectory.loss_mask):
+                prefixes.append(list(trajectory.token_ids[:end]))
+                owners.append(index)
+        if not prefixes:
+            return {}
+        scores = self.model.score_ids(prefixes)
+        per_trajectory: dict[int, list[float]] = {}
+        for owner, score in zip(owners, scores):
+            per_trajectory.setdefault(owner, []).append(float(score))
+        for index, step_scores in per_trajectory.items():
+            reward = trajectories[index].reward
+            reward.components["process"] = sum(step_scores) / len(step_scores)
+            reward.details["step_scores"] = step_scores
+        return {"reward/process_model": sum(scores) / len(scores)}

@@ -53,7 +53,7 @@ from posttrain.rl.advantages import (
 )
 from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
-from posttrain.rl.learned_reward import LearnedReward
+from posttrain.rl.learned_reward import LearnedReward, ProcessRewardModel
 from posttrain.rl.pipeline import (
     BatchProducer,
     RolloutBatch,
@@ -117,6 +117,7 @@ class _Run:
     runtime: Runtime
     pipeline: RolloutPipeline | None = None
     learned_reward: LearnedReward | None = None  # the recipe's `reward_model:` section
+    process_model: ProcessRewardModel | None = None  # the recipe's `process_reward_model:` section
     critic: Critic | None = None  # algorithm.advantage: gae
 
     @property
@@ -178,6 +179,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
     suites = regression_suites(recipe)
     run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime,
                learned_reward=learned_reward, critic=critic)
+    if recipe.process_reward_model is not None:
+        run.process_model = ProcessRewardModel(recipe.process_reward_model, tokenizer, runtime.device)
     policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
@@ -366,6 +369,8 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     replay = run.guard.replay_batch(step)
     trajectories, counts = select_trainable(batch.trajectories, step, recipe)
     metrics = run.learned_reward.annotate(trajectories) if run.learned_reward is not None else {}
+    if run.process_model is not None:
+        metrics.update(run.process_model.annotate(trajectories))
     metrics.update(reward_metrics(trajectories))  # each of the recipe's `rewards:` terms, by name
 
     # returns

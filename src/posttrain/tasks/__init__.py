@@ -8,7 +8,9 @@ Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), `
 ``agent`` (another domain's tasks done by a black-box agent program in the sandbox), ``dataset`` (a JSONL file or
 saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
-``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
+``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
+ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
+tasksets), `posttrain.tasks.external`. See docs/tasks.md to add one.
 """
 
 from posttrain.tasks import agent as _agent  # noqa: F401  (each import registers its domain)
@@ -16,6 +18,7 @@ from posttrain.tasks import arithmetic as _arithmetic  # noqa: F401
 from posttrain.tasks import calculator as _calculator  # noqa: F401
 from posttrain.tasks import code as _code  # noqa: F401
 from posttrain.tasks import dataset as _dataset  # noqa: F401
+from posttrain.tasks import external as _external  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
 from posttrain.tasks import multi_doc_qa as _multi_doc_qa  # noqa: F401

@@ -5,7 +5,8 @@
     verify_math("... so the answer is \\\\boxed{\\\\frac{1}{2}}", "0.5").score      # 1.0
 
 Registered verifiers (all of them on ``import posttrain.verify``): ``math``, ``code``, ``structured``, ``format``,
-``exact``, ``refusal``, ``reasoning_gym``, ``repo_tests`` and ``combined``; register your own with
+``exact``, ``refusal``, ``reasoning_gym``, ``repo_tests``, ``combined``, ``environment`` (an external
+environment's own reward) and ``verifiers`` (a prime-rl verifiers task's rewards); register your own with
 ``@verifier("name")`` (and name its module in a recipe's ``imports:``). A verifier never trusts what the model says
 about itself, gives 0 (with a failure class) to anything it cannot judge, and reports its own infrastructure failures
 as ``FailureClass.SANDBOX``/``INFRA`` so they are retried instead of learned from. See docs/verifiers.md.
@@ -14,6 +15,7 @@ as ``FailureClass.SANDBOX``/``INFRA`` so they are retried instead of learned fro
 from posttrain.verify.channel import read_record
 from posttrain.verify.code_tests import normalize_stdout, parse_tests, strict_equal, verify_code
 from posttrain.verify.completion import code_block, final_text, strip_reasoning
+from posttrain.verify.environment import ENV_REWARD_KEY, verify_environment
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.exact import verify_exact
 from posttrain.verify.formats import combine, verify_combined, verify_format
@@ -35,10 +37,12 @@ from posttrain.verify.registry import (
 )
 from posttrain.verify.repo_tests import verify_repo_tests
 from posttrain.verify.structured import verify_structured
+from posttrain.verify.verifiers_rubric import verifiers_tasks, verify_verifiers
 from posttrain.verify.refusal import REFUSAL
 from posttrain.verify.rewards import REWARD_TERMS_KEY, check_terms, judge_terms, with_reward_terms
 
 __all__ = [
+    "ENV_REWARD_KEY",
     "Grammar",
     "REFUSAL",
     "REWARD_TERMS_KEY",
@@ -67,6 +71,7 @@ __all__ = [
     "verify",
     "verify_code",
     "verify_combined",
+    "verify_environment",
     "verify_exact",
     "verify_format",
     "verify_math",
@@ -74,5 +79,7 @@ __all__ = [
     "verify_refusal",
     "verify_repo_tests",
     "verify_structured",
+    "verify_verifiers",
+    "verifiers_tasks",
     "with_reward_terms",
 ]

@@ -1,0 +1,149 @@
+"""The verifiers adapter (``env: verifiers``): prime-rl verifiers (v1) tasksets written in the test with the package's
+public API (`vf.Taskset`, `vf.Task`, `vf.TaskData`, `@vf.reward`, `vf.Toolset`, `@vf.tool`), loaded by id through
+its own loader, rolled out by posttrain's episode loop (the policy's ids verbatim) and scored by their rubric."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+
+import pytest
+from test_envs_scripted import ScriptedEngine
+
+from posttrain.envs import rollout_episode
+from posttrain.tasks import TaskError, get_domain, sample_tasks
+from posttrain.types import FailureClass, SamplingParams
+
+END = "<|end|>"
+
+SINGLE_TURN = '''
+import verifiers.v1 as vf
+
+class SumData(vf.TaskData):
+    answer: str
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return 1.0 if trace.last_reply == self.data.answer else 0.0
+
+    @vf.reward(weight=0.5)
+    async def brief(self, trace: vf.Trace) -> float:
+        return 1.0 if len(trace.last_reply) <= 3 else 0.0
+
+    @vf.metric
+    async def turns(self, trace: vf.Trace) -> float:
+        return float(trace.num_turns)
+
+class SumConfig(vf.TasksetConfig):
+    num_tasks: int = 6
+
+class SumTaskset(vf.Taskset[SumTask, SumConfig]):
+    def load(self):
+        return [SumTask(SumData(prompt=f"What is {i}+{i + 1}?", system_prompt="Answer with a number.",
+                                answer=str(2 * i + 1))) for i in range(self.config.num_tasks)]
+
+__all__ = ["SumTaskset"]
+'''
+
+TOOLS = '''
+import verifiers.v1 as vf
+
+class Calculator(vf.Toolset[vf.ToolsetConfig]):
+    @vf.tool
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two integers."""
+        return str(int(a) * int(b))
+
+class ProductData(vf.TaskData):
+    answer: str
+
+class ProductTask(vf.Task[ProductData]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Calculator(vf.ToolsetConfig())]
+
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return 1.0 if trace.last_reply == self.data.answer else 0.0
+
+    @vf.reward(weight=0.0)
+    async def used_tool(self, trace: vf.Trace) -> float:
+        return 1.0 if any(m.content == self.data.answer for m in trace.tool_messages) else 0.0
+
+class ProductTaskset(vf.Taskset[ProductTask, vf.TasksetConfig]):
+    def load(self):
+        pairs = [(123, 45), (67, 89), (301, 27)]
+        return [ProductTask(ProductData(prompt=f"What is {a}*{b}?", answer=str(a * b))) for a, b in pairs]
+
+__all__ = ["ProductTaskset"]
+'''
+
+BROKEN = TOOLS.replace('return 1.0 if trace.last_reply == self.data.answer else 0.0',
+                       'raise RuntimeError("the judge service is down")').replace("ProductTaskset", "BrokenTaskset")
+
+
+@pytest.fixture(autouse=True)
+def tasksets(tmp_path, monkeypatch):
+    for name, source in {"vf_sum_tasks": SINGLE_TURN, "vf_product_tasks": TOOLS, "vf_broken_tasks": BROKEN}.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def run(task, tokenizer, script):
+    engine = ScriptedEngine(tokenizer, script)
+    return asyncio.run(rollout_episode(engine, task, tokenizer, SamplingParams(max_new_tokens=48))), engine
+
+
+def call(name, **arguments):
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>{END}"
+
+
+def test_a_single_turn_taskset_is_scored_by_its_rubric_on_the_sampled_tokens(tiny_tokenizer):
+    domain = get_domain("verifiers", taskset="vf_sum_tasks", config={"num_tasks": 6})
+    task = sample_tasks(domain, 1, level=1, seed=0)[0]
+    assert task.messages[0] == {"role": "system", "content": "Answer with a number."}
+    answer = str(2 * int(task.prompt.split()[2].split("+")[0]) + 1)
+    trajectory, engine = run(task, tiny_tokenizer, [answer + END])
+    reward = trajectory.reward
+    assert (reward.score, reward.passed, reward.failure) == (1.5, True, FailureClass.NONE)
+    assert reward.components == {"correct": 1.0, "brief": 1.0}
+    assert reward.details["weights"] == {"correct": 1.0, "brief": 0.5} and reward.details["metrics"] == {"turns": 1.0}
+    policy_ids = [t for t, m in zip(trajectory.token_ids, trajectory.loss_mask) if m]
+    assert policy_ids == engine.returned[task.id][0]  # the engine's ids, never re-tokenized
+
+    wrong, _ = run(task, tiny_tokenizer, ["12345" + END])
+    assert (wrong.reward.score, wrong.reward.passed) == (0.0, False)
+    assert wrong.reward.failure is FailureClass.WRONG_ANSWER
+
+
+def test_a_multi_turn_tool_taskset_runs_its_tools_and_scores_the_transcript(tiny_tokenizer):
+    domain = get_domain("verifiers", taskset="vf_product_tasks", max_steps=3)
+    task = sample_tasks(domain, 1, level=1, seed=1)[0]
+    a, b = (int(x) for x in task.prompt.removeprefix("What is ").rstrip("?").split("*"))
+    trajectory, engine = run(task, tiny_tokenizer, [call("multiply", a=a, b=b), f"{a * b}{END}"])
+    reward = trajectory.reward
+    assert reward.passed and reward.components == {"correct": 1.0, "used_tool": 1.0, "process": 1.0}
+    assert (trajectory.steps, trajectory.tool_calls, trajectory.tool_calls_ok) == (2, 1, 1)
+    assert {"role": "tool", "name": "multiply", "content": str(a * b)} in trajectory.messages
+    policy_ids = [t for t, m in zip(trajectory.token_ids, trajectory.loss_mask) if m]
+    assert policy_ids == [i for turn in engine.returned[task.id] for i in turn]
+
+    # A call the tool rejects is the model's failed call (an error observation); the process signal drops.
+    bad, _ = run(task, tiny_tokenizer, [call("multiply", a=a), call("multiply", a=a, b=b), f"{a * b}{END}"])
+    assert bad.reward.passed and bad.failed_steps == 1
+    assert bad.reward.components["process"] == pytest.approx(0.5)
+    assert any(m["content"].startswith("error: TypeError") for m in bad.messages if m["role"] == "tool")
+
+
+def test_a_rubric_that_crashes_is_an_infrastructure_failure(tiny_tokenizer):
+    task = sample_tasks(get_domain("verifiers", taskset="vf_broken_tasks", max_steps=2), 1, level=1)[0]
+    trajectory, _ = run(task, tiny_tokenizer, ["7" + END])
+    assert trajectory.reward.failure is FailureClass.INFRA and sum(trajectory.loss_mask) == 0
+    assert "judge service is down" in trajectory.reward.details["error"]
+
+
+def test_an_unknown_taskset_is_a_clear_error():
+    with pytest.raises(TaskError, match="vf_no_such_taskset"):
+        get_domain("verifiers", taskset="vf_no_such_taskset")
