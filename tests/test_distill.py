@@ -289,3 +289,47 @@ def test_cli_runs_the_packaged_recipe(tmp_path, teacher_dir, capsys):
                  "runtime.num_threads=1", "tracking.progress=false", "tracking.tensorboard=false"])
     assert code == 0
     assert (tmp_path / "cli" / "final" / "config.json").is_file()
+
+
+# ---- the demo stage --------------------------------------------------------------------------------------------
+
+
+def test_demo_distill_stage_reports_both_tiers(tmp_path):
+    from posttrain.config import load_recipe
+    from posttrain.config.demo import DemoRecipe
+    from posttrain.demo import run_demo
+
+    path = tmp_path / "demo.yaml"
+    path.write_text(f"""\
+stage: demo
+output_dir: {tmp_path / 'run'}
+preset: tiny-1m
+vocab_size: 320
+stages: [sft, distill]
+domains:
+  - {{name: arithmetic, args: {{operators: "+"}}, sft_levels: [1, 2], demos: 200, heldout_levels: [2], heldout: 16,
+     validation: 0}}
+sft:
+  data: {{max_length: 64}}
+  train: {{batch_size: 16, max_steps: 4, log_every: 2}}
+rl:
+  domains: [{{name: arithmetic, args: {{operators: "+"}}, levels: [2], heldout: 0}}]
+distill:
+  mode: on_policy
+  model: {{preset: tiny-1m}}
+  distill: {{loss: jsd, data_fraction: 0.5}}
+  tasks: {{max_new_tokens: 16}}
+  data: {{max_length: 64}}
+  train: {{batch_size: 8, max_steps: 3, log_every: 1}}
+  runtime: {{num_threads: 1}}
+eval: {{max_new_tokens: 16, batch_size: 16}}
+""")
+    summary = run_demo(load_recipe(path, [], DemoRecipe))
+    stage = summary["stages"]["distill"]
+    assert stage["teacher"] == "sft" and stage["steps"] == 3
+    assert set(stage["heldout"]) == {"arithmetic"}
+    standard, fast = stage["tiers"]["standard"], stage["tiers"]["fast"]
+    assert standard["heldout"] == summary["stages"]["sft"]["heldout"] and fast["heldout"] == stage["heldout"]
+    assert standard["decode_tokens_per_s"] > 0 and fast["decode_tokens_per_s"] > 0
+    assert stage["kl_to_teacher"]["end"] is not None
+    assert (tmp_path / "run" / "distill" / "final" / "config.json").is_file()
