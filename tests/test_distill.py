@@ -295,36 +295,22 @@ def test_cli_runs_the_packaged_recipe(tmp_path, teacher_dir, capsys):
 
 
 def test_demo_distill_stage_reports_both_tiers(tmp_path):
-    from posttrain.config import load_recipe
     from posttrain.config.demo import DemoRecipe
     from posttrain.demo import run_demo
 
-    path = tmp_path / "demo.yaml"
-    path.write_text(f"""\
-stage: demo
-output_dir: {tmp_path / 'run'}
-preset: tiny-1m
-vocab_size: 320
-stages: [sft, distill]
-domains:
-  - {{name: arithmetic, args: {{operators: "+"}}, sft_levels: [1, 2], demos: 200, heldout_levels: [2], heldout: 16,
-     validation: 0}}
-sft:
-  data: {{max_length: 64}}
-  train: {{batch_size: 16, max_steps: 4, log_every: 2}}
-rl:
-  domains: [{{name: arithmetic, args: {{operators: "+"}}, levels: [2], heldout: 0}}]
-distill:
-  mode: on_policy
-  model: {{preset: tiny-1m}}
-  distill: {{loss: jsd, data_fraction: 0.5}}
-  tasks: {{max_new_tokens: 16}}
-  data: {{max_length: 64}}
-  train: {{batch_size: 8, max_steps: 3, log_every: 1}}
-  runtime: {{num_threads: 1}}
-eval: {{max_new_tokens: 16, batch_size: 16}}
-""")
-    summary = run_demo(load_recipe(path, [], DemoRecipe))
+    plus = {"operators": "+"}
+    recipe = DemoRecipe.model_validate({
+        "output_dir": str(tmp_path / "run"), "preset": "tiny-1m", "vocab_size": 320, "stages": ["sft", "distill"],
+        "domains": [{"name": "arithmetic", "args": plus, "sft_levels": [1, 2], "demos": 200, "heldout_levels": [2],
+                     "heldout": 16, "validation": 0}],
+        "sft": {"data": {"max_length": 64}, "train": {"batch_size": 16, "max_steps": 4, "log_every": 2}},
+        "rl": {"domains": [{"name": "arithmetic", "args": plus, "levels": [2], "heldout": 0}]},
+        "distill": {"mode": "on_policy", "distill": {"loss": "jsd", "data_fraction": 0.5},
+                    "tasks": {"max_new_tokens": 16}, "data": {"max_length": 64},
+                    "train": {"batch_size": 8, "max_steps": 3, "log_every": 1}, "runtime": {"num_threads": 1}},
+        "eval": {"max_new_tokens": 16, "batch_size": 16},
+    })
+    summary = run_demo(recipe)
     stage = summary["stages"]["distill"]
     assert stage["teacher"] == "sft" and stage["steps"] == 3
     assert set(stage["heldout"]) == {"arithmetic"}
