@@ -23,7 +23,7 @@ from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
-from posttrain.train.distill import AnswerSampler, DistillResult, run_distill
+from posttrain.train.distill import AnswerSampler, DistillResult, run_distill, teacher_distance
 from posttrain.train.distill_losses import forward_kl, generalized_jsd, reverse_kl, token_divergence
 from posttrain.train.dpo import run_dpo
 from posttrain.train.policy_loss import (
@@ -79,6 +79,7 @@ __all__ = [
     "sft_loss_sum",
     "split_head",
     "target_logprobs",
+    "teacher_distance",
     "token_divergence",
     "train_loop",
     "truncated_importance_weights",

@@ -14,7 +14,7 @@ sums and normalizes it like the SFT loss. With temperature τ both distributions
                  the generalized Jensen-Shannon divergence of GKD (Agarwal et al., 2024), with their β.
 
 The β convention (the GKD paper's and TRL's `generalized_jsd_loss`): to first order in β,
-JSD(β) = β · KL(p_T ‖ p_S) + O(β²), and JSD(β) = (1 - β) · KL(p_S ‖ p_T) + O((1 - β)²) near β = 1; so small β
+JSD(β) = β · KL(p_T ‖ p_S) + O(β²), and near β = 1 JSD(β) = (1 - β) · KL(p_S ‖ p_T) + O((1 - β)²); so small β
 behaves like forward KL and β near 1 like reverse KL, while the value itself goes to 0 at both ends (M becomes
 one of the two distributions). At exactly β = 0 and β = 1 `generalized_jsd` therefore returns the forward and
 the reverse KL themselves, as GKD defines the endpoints; β = 0.5 is the ordinary (symmetric) JSD.
