@@ -20,7 +20,8 @@ from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "posttrain"
-RECIPES = {"posttrain.train.sft", "posttrain.train.dpo", "posttrain.train.reward_model", "posttrain.rl.trainer"}
+RECIPES = {"posttrain.train.sft", "posttrain.train.dpo", "posttrain.train.reward_model", "posttrain.train.distill",
+           "posttrain.rl.trainer"}
 
 
 def imported_modules(path: Path) -> set[str]:

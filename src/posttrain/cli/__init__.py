@@ -26,6 +26,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "sft": ("supervised fine-tuning on chat data with metadata", "posttrain.cli.stages:sft"),
     "dpo": ("preference optimization on pairs: DPO, conservative DPO, IPO, SimPO", "posttrain.cli.stages:dpo"),
     "rm": ("a Bradley-Terry reward model on preference pairs", "posttrain.cli.stages:rm"),
+    "distill": ("distil a teacher into a smaller student that shares its tokenizer: logit (forward/reverse KL, "
+                "JSD), on-policy (GKD) or sequence-level", "posttrain.cli.stages:distill"),
     "rl": ("RL with verifiable rewards: rollouts, verifiers, GRPO-family updates", "posttrain.cli.stages:rl"),
     "eval": ("evaluate checkpoints: held-out, fresh-draw, dataset, regression and safety suites; HTML report",
              "posttrain.cli.stages:evaluate"),

@@ -10,6 +10,7 @@ from posttrain.config import DemoRecipe, load_recipe
 QUICK = [  # `--quick`: a few-minute smoke run of every stage
     "sft.train.max_minutes=1.5",
     "rl.train.max_minutes=1.5",  # and so the continued-SFT control
+    "distill.train.max_minutes=1.5",
     "domains.0.demos=2000",
     "domains.0.heldout=100",
 ]

@@ -79,6 +79,29 @@ def _heldout_line(start: dict, end: dict, accuracy: str, loss: str) -> str:
             f"{loss} {start.get(loss, float('nan')):.4f} -> {end[loss]:.4f}")
 
 
+def distill(args: argparse.Namespace) -> int:
+    from posttrain.config import DistillRecipe
+    from posttrain.models import autocast_dtype, resolve_device
+    from posttrain.rl import EngineAnswerSampler
+    from posttrain.train import run_distill
+
+    recipe = load_recipe(recipe_path(args.recipe), args.overrides, DistillRecipe)
+    sampler = None
+    if recipe.tasks.domains:
+        autocast = autocast_dtype(recipe.runtime, resolve_device(recipe.runtime))
+        sampler = EngineAnswerSampler(recipe.tasks, seed=recipe.runtime.seed, autocast=autocast)
+    result = run_distill(recipe, resume=args.resume, sampler=sampler)
+    start, end = result.heldout_start, result.heldout
+    say(
+        f"[distill] done ({result.mode}): {result.steps} steps in {result.seconds:.0f}s "
+        f"({result.tokens_per_s:,.0f} tokens/s), train loss {result.train_loss:.4f}"
+        + (f", held-out KL to the teacher {start['eval/kl']:.4f} -> {end['eval/kl']:.4f}, top-1 agreement "
+           f"{start['eval/agreement']:.1%} -> {end['eval/agreement']:.1%}" if "eval/kl" in end else "")
+        + f"\n[distill] student: {result.final_dir}"
+    )
+    return 0
+
+
 def rl(args: argparse.Namespace) -> int:
     from posttrain.config import RLRecipe
     from posttrain.distributed import launch_rl  # local unless cluster.backend: ray

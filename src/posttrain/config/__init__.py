@@ -15,6 +15,7 @@ from posttrain.config.common import (
     Section,
     TrackingConfig,
 )
+from posttrain.config.distill import DistillLossConfig, DistillRecipe, DistillTasksConfig
 from posttrain.config.dpo import (
     DPOLossConfig,
     DPORecipe,
@@ -82,6 +83,9 @@ __all__ = [
     "DecontaminationConfig",
     "DedupConfig",
     "DemoRecipe",
+    "DistillLossConfig",
+    "DistillRecipe",
+    "DistillTasksConfig",
     "DomainConfig",
     "DynamicSamplingConfig",
     "EvalCheckpoint",

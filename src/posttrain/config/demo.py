@@ -15,9 +15,10 @@ from pydantic import Field, model_validator
 
 from posttrain.config.common import Section
 from posttrain.config.load import recipe
+from posttrain.config.distill import DistillLossConfig, DistillRecipe
 from posttrain.config.dpo import DPORecipe
 from posttrain.config.rl import RLRecipe
-from posttrain.config.sft import SFTRecipe
+from posttrain.config.sft import SFTRecipe, SFTTrainConfig
 
 
 class DemoDomain(Section):
@@ -75,3 +76,7 @@ class DemoRecipe(Section):
     dpo_pairs: DemoPairs = DemoPairs()
     rl: RLRecipe = RLRecipe()
     eval: DemoEval = DemoEval()
+    # stage `distill`: the newest policy into a fresh tiny-1m, on-policy (the demo fills in the teacher, the RL
+    # stage's domains and the SFT demonstrations for data_fraction)
+    distill: DistillRecipe = DistillRecipe(mode="on_policy", distill=DistillLossConfig(loss="jsd", data_fraction=0.5),
+                                           train=SFTTrainConfig(max_steps=2000, max_minutes=5))

@@ -4,6 +4,7 @@ Stages register with `@demo_stage(name)`; the recipe's `stages` list picks and o
 """
 
 from posttrain.demo import base as _base  # noqa: F401  (registers "base")
+from posttrain.demo import distill as _distill  # noqa: F401  (registers "distill")
 from posttrain.demo import dpo as _dpo  # noqa: F401  (registers "dpo")
 from posttrain.demo import report as _report  # noqa: F401  (registers "report")
 from posttrain.demo import rl as _rl  # noqa: F401  (registers "rl", "sft_control")

@@ -28,6 +28,7 @@ from posttrain.models.parts import attention_kernel, disable_dropout, split_head
 from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
+from posttrain.models.tokenizer_match import check_same_tokenizer, tokenizer_differences
 from posttrain.models.export import export_model
 from posttrain.models.quantize import TARGETS as QUANTIZE_TARGETS, quantization_of, quantize_checkpoint
 from posttrain.models.load import VARLEN
@@ -48,6 +49,7 @@ __all__ = [
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
+    "check_same_tokenizer",
     "count_adapted",
     "count_parameters",
     "disable_dropout",
@@ -73,6 +75,7 @@ __all__ = [
     "set_attention",
     "split_head",
     "tiny_config",
+    "tokenizer_differences",
     "train_tokenizer",
     "varlen_attention_forward",
     "varlen_mask",

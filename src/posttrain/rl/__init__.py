@@ -14,6 +14,7 @@ from posttrain.rl.advantages import (
     reward_terms,
     with_rewards,
 )
+from posttrain.rl.answer_sampling import EngineAnswerSampler
 from posttrain.rl.backend import LocalPolicy, RLBackend, engine_state, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
@@ -29,6 +30,7 @@ from posttrain.rl.starting_model import starting_tokenizer
 __all__ = [
     "BatchProducer",
     "Critic",
+    "EngineAnswerSampler",
     "LearnedReward",
     "LocalPolicy",
     "RLBackend",

@@ -1,9 +1,10 @@
-"""Training building blocks every recipe calls, the losses, and the SFT, DPO and reward-model recipes.
+"""Training building blocks every recipe calls, the losses, and the SFT, DPO, reward-model and distillation recipes.
 
-No Trainer base class: `run_sft`, `run_dpo`, `run_rm` (and the RL recipe in `posttrain.rl`) read top to bottom
-and call these pieces: `setup_runtime`, `prepare_model`, `build_optimizer`, `build_scheduler`, `optimizer_step`,
-the loop skeleton (`train_loop`, `Cursor`, `StepFigures`), checkpoint save and exact resume (`save_training`,
-`find_checkpoint`, `restore_training`), the data-parallel seam (`DataParallel`, `LocalParallel`) and the losses.
+No Trainer base class: `run_sft`, `run_dpo`, `run_rm`, `run_distill` (and the RL recipe in `posttrain.rl`) read top
+to bottom and call these pieces: `setup_runtime`, `prepare_model`, `build_optimizer`, `build_scheduler`,
+`optimizer_step`, the loop skeleton (`train_loop`, `Cursor`, `StepFigures`), checkpoint save and exact resume
+(`save_training`, `find_checkpoint`, `restore_training`), the data-parallel seam (`DataParallel`, `LocalParallel`)
+and the losses (distillation's divergences in `train.distill_losses`).
 Recipe modules are leaves: what two recipes share lives here (`train.pairs` for DPO and the reward model) or in
 `posttrain.models`, never in a recipe.
 """
@@ -22,6 +23,8 @@ from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
+from posttrain.train.distill import AnswerSampler, DistillResult, run_distill, teacher_distance
+from posttrain.train.distill_losses import forward_kl, generalized_jsd, reverse_kl, token_divergence
 from posttrain.train.dpo import run_dpo
 from posttrain.train.policy_loss import (
     aggregate,
@@ -36,8 +39,10 @@ from posttrain.train.reward_model import run_rm
 from posttrain.train.sft import SFTResult, run_sft
 
 __all__ = [
+    "AnswerSampler",
     "Cursor",
     "DataParallel",
+    "DistillResult",
     "ForwardParityError",
     "LOCAL",
     "LocalParallel",
@@ -51,6 +56,8 @@ __all__ = [
     "clipped_value_loss",
     "entropy_from_logits",
     "find_checkpoint",
+    "forward_kl",
+    "generalized_jsd",
     "kl_penalty",
     "load_optimizer_state",
     "logprob_gap_stats",
@@ -60,6 +67,8 @@ __all__ = [
     "per_token_policy_loss",
     "prepare_model",
     "restore_training",
+    "reverse_kl",
+    "run_distill",
     "run_dpo",
     "run_rm",
     "run_sft",
@@ -70,6 +79,8 @@ __all__ = [
     "sft_loss_sum",
     "split_head",
     "target_logprobs",
+    "teacher_distance",
+    "token_divergence",
     "train_loop",
     "truncated_importance_weights",
     "write_checkpoint",
