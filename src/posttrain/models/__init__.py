@@ -25,6 +25,7 @@ from posttrain.models.load import (
 )
 from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.parts import attention_kernel, disable_dropout, split_head
+from posttrain.models.rope import RopeScalingError, apply_rope_scaling, context_length, rope_parameters
 from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
@@ -38,15 +39,18 @@ __all__ = [
     "PAD",
     "PRESETS",
     "RewardModel",
+    "RopeScalingError",
     "ScalarRewardModel",
     "VARLEN",
     "apply_lora",
+    "apply_rope_scaling",
     "attention_choice",
     "attention_kernel",
     "autocast_dtype",
     "build_tiny_model",
     "capture_rng",
     "count_adapted",
+    "context_length",
     "count_parameters",
     "disable_dropout",
     "export_model",
@@ -62,6 +66,7 @@ __all__ = [
     "reference_mode",
     "resolve_device",
     "restore_rng",
+    "rope_parameters",
     "save_checkpoint",
     "save_model_dir",
     "save_reward_model",

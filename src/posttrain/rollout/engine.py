@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from posttrain.models import context_length
 from posttrain.rollout.decoder import DecoderRunner, fast_path_unsupported
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.generic import GenericRunner
@@ -151,8 +152,7 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        config = model.config
-        self.max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_length = context_length(model.config)  # extended by model.rope_scaling where set
         self._version = policy_version
         self._lock = threading.Lock()
         self.stats = EngineStats()
@@ -164,7 +164,8 @@ class HFEngine:
             raise RolloutError(f"HFEngine(runner='fast'): {reason}; use runner='auto' or 'generic'")
         if choice == "generic" or reason is not None:
             if choice == "auto":
-                log.info("HFEngine: generic runner (%s)", reason)
+                # A rope scaling the fast decoder cannot take is the user's choice of model: say so loudly.
+                (log.warning if reason and "rope type" in reason else log.info)("HFEngine: generic runner (%s)", reason)
             return GenericRunner(self.model, self.autocast)
         return DecoderRunner(self.model, self.autocast, compile=compile)
 
