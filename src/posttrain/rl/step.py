@@ -33,13 +33,11 @@ from posttrain.train import (
     LOCAL,
     Runtime,
     aggregate,
-    entropy_from_logits,
     kl_penalty,
     logprob_gap_stats,
     optimizer_step,
     per_token_policy_loss,
-    selected_logits,
-    target_logprobs,
+    scored_token_stats,
     truncated_importance_weights,
 )
 from posttrain.types import Trajectory
@@ -195,11 +193,10 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         num_seqs = len(chunk)
-        with runtime.autocast():
-            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = target_logprobs(logits, micro.targets)
+        with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
+            logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                                   temperature=temperature, entropy=True,
+                                                   attention_mask=micro.attention_mask)
         weights = None
         if config.old_policy == "behaviour":
             old = micro.behaviour
@@ -219,7 +216,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         )
         loss = reduce(per_token)
         stats["pg_loss"] = float(loss.detach())
-        entropy = entropy_from_logits(logits if config.entropy_coef else logits.detach())
+        entropy = entropy if config.entropy_coef else entropy.detach()
         if config.entropy_coef:
             loss = loss - config.entropy_coef * reduce(entropy)
         stats["entropy"] = float(entropy.detach().mean())
@@ -273,8 +270,9 @@ def _proximal_logprobs(model, trajectories, advantages, order: list[int], settin
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         with runtime.autocast():
-            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
-        logprobs = target_logprobs(logits, micro.targets, settings.temperature)
+            logprobs = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                          temperature=settings.temperature,
+                                          attention_mask=micro.attention_mask).logprobs
         for row, index in enumerate(chunk):
             cache[index] = logprobs[micro.seq_index == row]
     model.train()

@@ -8,6 +8,7 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 `posttrain.models`, never in a recipe.
 """
 
+from posttrain.train.chunked import LOSS_CHUNK_TOKENS, TokenStats, chunked_head_stats, scored_token_stats
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
 from posttrain.train.forward import (
     ForwardParityError,
@@ -40,14 +41,17 @@ __all__ = [
     "DataParallel",
     "ForwardParityError",
     "LOCAL",
+    "LOSS_CHUNK_TOKENS",
     "LocalParallel",
     "Runtime",
     "SFTResult",
     "StepFigures",
+    "TokenStats",
     "aggregate",
     "build_optimizer",
     "build_scheduler",
     "check_forward_parity",
+    "chunked_head_stats",
     "clipped_value_loss",
     "entropy_from_logits",
     "find_checkpoint",
@@ -64,6 +68,7 @@ __all__ = [
     "run_rm",
     "run_sft",
     "save_training",
+    "scored_token_stats",
     "seed_everything",
     "selected_logits",
     "setup_runtime",
