@@ -145,3 +145,16 @@ def test_packed_long_documents_get_the_loss_they_have_alone(tiny_tokenizer):
     merged.position_ids = list(range(len(merged.position_ids)))
     leaky, _ = sft_loss_sum(model, collate([merged], pad_id=0))
     assert abs(float(leaky) - alone) > 1e-3 * abs(alone)
+
+
+def test_peak_memory_sees_a_step_allocation_and_divides_it_by_tokens():
+    from posttrain.train import PeakMemory
+
+    memory = PeakMemory(torch.device("cpu"))
+    memory.start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del block
+    figures = memory.figures(micro_batch_tokens=1024)
+    assert figures["peak_memory_mb"] >= 64
+    if memory.resettable:  # the high-water mark was reset at start: the step's own 64 MiB show above it
+        assert 60 * 1024 / 1024 <= figures["activation_kb_per_token"] <= 200 * 1024 / 1024

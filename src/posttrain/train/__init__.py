@@ -18,6 +18,7 @@ from posttrain.train.forward import (
     split_head,
     target_logprobs,
 )
+from posttrain.train.memory import PeakMemory
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
@@ -43,6 +44,7 @@ __all__ = [
     "LOCAL",
     "LOSS_CHUNK_TOKENS",
     "LocalParallel",
+    "PeakMemory",
     "Runtime",
     "SFTResult",
     "StepFigures",
