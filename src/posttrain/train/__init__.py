@@ -9,6 +9,12 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 """
 
 from posttrain.train.chunked import LOSS_CHUNK_TOKENS, TokenStats, chunked_head_stats, scored_token_stats
+from posttrain.train.context_parallel import (
+    all_reduce_gradients,
+    all_reduce_sum,
+    context_parallel_loss_sum,
+    zigzag_positions,
+)
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
 from posttrain.train.forward import (
     ForwardParityError,
@@ -50,11 +56,14 @@ __all__ = [
     "StepFigures",
     "TokenStats",
     "aggregate",
+    "all_reduce_gradients",
+    "all_reduce_sum",
     "build_optimizer",
     "build_scheduler",
     "check_forward_parity",
     "chunked_head_stats",
     "clipped_value_loss",
+    "context_parallel_loss_sum",
     "entropy_from_logits",
     "find_checkpoint",
     "kl_penalty",
@@ -80,4 +89,5 @@ __all__ = [
     "train_loop",
     "truncated_importance_weights",
     "write_checkpoint",
+    "zigzag_positions",
 ]
