@@ -131,3 +131,10 @@ def test_the_recipe_section_is_strict():
     with pytest.raises(ValueError):
         ModelConfig(rope_scaling={"type": "ntk", "factor": 2})
     assert ModelConfig(rope_scaling={"type": "llama3", "factor": 8}).rope_scaling.high_freq_factor == 4.0
+
+
+def test_the_recipe_setting_extends_the_built_in_model(tiny_tokenizer):
+    config = ModelConfig(preset="tiny-1m", rope_scaling={"type": "llama3", "factor": 8})
+    model = load_model(config, tiny_tokenizer)
+    assert model.config.max_position_embeddings == 8 * 1024
+    assert model.config.rope_parameters["original_max_position_embeddings"] == 1024
