@@ -120,18 +120,10 @@ def worker_ours(base: Path, data: Path, threads: int) -> dict:
 def worker_trl(base: Path, data: Path, threads: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
+    from sft_throughput import _StepClock as StepClock  # bench/ is on the path of a script run from it
 
     torch.set_num_threads(threads)
     sequences = read_data(data)

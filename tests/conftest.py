@@ -51,3 +51,15 @@ def pytest_configure(config):
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tiny tensors (faster, and far faster on a loaded machine, where OpenMP
+    threads wait on each other); use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -12,12 +12,7 @@ from posttrain.train.forward import target_logprobs
 from posttrain.types import GenerationRequest, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(tokenizer):

@@ -25,12 +25,7 @@ ORIGINAL = 32  # short, so a 60-token sequence is well past the trained length
 KINDS = ["linear", "dynamic", "yarn", "llama3"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scaled(kind: str, tokenizer, factor: float = 4.0):
