@@ -1,6 +1,7 @@
 """Long-context SFT: peak memory and tokens/s of posttrain against TRL's SFTTrainer on 8k-token sequences.
 
     python bench/long_context.py [--length 8192] [--steps 2] [--repeats 2] [--threads N]
+                                 [--ours-without-checkpointing]
 
 One model for both: a Llama of hidden 256, 4 layers, 4 heads, MLP 1024 and a 32k vocabulary (so the
 ``[tokens, vocab]`` logits matter: 1 GiB in fp32 for one 8k sequence), 8k positions, saved once and loaded by
@@ -9,8 +10,10 @@ over the vocabulary), loss on every token but the first, batch 1, AdamW, bf16 au
 native bf16 (`bf16=True` for TRL), fp32 elsewhere.
 
 * posttrain: the SFT step's own pieces (`prepare_model` with `runtime.activation_checkpointing`, `collate`,
-  `sft_loss_sum` — the loss in chunks of scored tokens — and `optimizer_step`, as `train.sft._sft_step` runs
-  them), variable-length attention ("auto"; past 1,024 tokens a segment runs the fused causal kernel).
+  `sft_loss_sum` — the loss in chunks of scored tokens, the head's gradients fused into its forward — and
+  `optimizer_step`, as `train.sft._sft_step` runs them), variable-length attention ("auto"; past 1,024 tokens
+  a segment runs the fused causal kernel). `--ours-without-checkpointing` adds runs with activation
+  checkpointing off (more memory, less recomputation).
 * TRL: `SFTTrainer` on the pre-tokenized sequences, its defaults but for what is set to match (batch,
   length, steps, learning rate, bf16, no saving or logging to services).
 
@@ -86,7 +89,7 @@ def bf16_available() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def worker_ours(base: Path, data: Path, threads: int) -> dict:
+def worker_ours(base: Path, data: Path, threads: int, checkpointing: bool = True) -> dict:
     import torch
 
     from posttrain.config import ModelConfig, OptimConfig, RuntimeConfig
@@ -96,7 +99,7 @@ def worker_ours(base: Path, data: Path, threads: int) -> dict:
     from posttrain.train import build_optimizer, optimizer_step, prepare_model, setup_runtime, sft_loss_sum
 
     runtime_config = RuntimeConfig(device="cpu", precision="bf16" if bf16_available() else "fp32",
-                                   activation_checkpointing=True, num_threads=threads)
+                                   activation_checkpointing=checkpointing, num_threads=threads)
     model_config = ModelConfig(path=str(base))
     runtime = setup_runtime(runtime_config)
     tokenizer = load_tokenizer(model_config)
@@ -147,6 +150,7 @@ def worker_trl(base: Path, data: Path, threads: int) -> dict:
 
 
 def run_worker(kind: str, base: Path, data: Path, threads: int) -> dict:
+    """One run in a fresh process; `kind` is "trl", "ours" (activation checkpointing on) or "ours_nockpt"."""
     command = [sys.executable, __file__, "--worker", kind, "--base", str(base), "--data", str(data),
                "--threads", str(threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -162,13 +166,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--ours-without-checkpointing", action="store_true",
+                        help="also run posttrain with runtime.activation_checkpointing off")
+    parser.add_argument("--worker", choices=["ours", "ours_nockpt", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--base", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     threads = args.threads or os.cpu_count() or 1
     if args.worker:
-        result = (worker_ours if args.worker == "ours" else worker_trl)(args.base, args.data, threads)
+        if args.worker == "trl":
+            result = worker_trl(args.base, args.data, threads)
+        else:
+            result = worker_ours(args.base, args.data, threads, checkpointing=args.worker == "ours")
         result["peak_rss_mb"] = peak_rss_mb()
         print(json.dumps(result))
         return 0
@@ -177,9 +186,10 @@ def main() -> int:
         base, data = Path(work) / "model", Path(work) / "data.jsonl"
         make_model_dir(base, args.length)
         make_data(data, args.steps + 1, args.length)
-        runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+        kinds = ["ours", "trl"] + (["ours_nockpt"] if args.ours_without_checkpointing else [])
+        runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for repeat in range(args.repeats):
-            order = ("ours", "trl") if repeat % 2 == 0 else ("trl", "ours")
+            order = kinds if repeat % 2 == 0 else kinds[::-1]
             for kind in order:
                 runs[kind].append(run_worker(kind, base, data, threads))
                 print(f"[long_context] {kind}: {runs[kind][-1]['peak_rss_mb']:.0f} MiB, steps "
@@ -193,6 +203,9 @@ def main() -> int:
             "first_loss": round(results[0]["loss"][0], 4),
         }
     figures["trl"]["settings"] = runs["trl"][0].get("settings", {})
+    if "ours_nockpt" in figures:
+        figures["ours_nockpt"]["memory_ratio"] = round(figures["ours_nockpt"]["peak_rss_mb"] / figures["trl"]["peak_rss_mb"], 3)
+        figures["ours_nockpt"]["ratio"] = round(figures["ours_nockpt"]["tokens_per_s"] / figures["trl"]["tokens_per_s"], 3)
     print(json.dumps({
         "bench": "long_context",
         "length": args.length, "vocab": VOCAB, "steps": args.steps, "repeats": args.repeats, "threads": threads,

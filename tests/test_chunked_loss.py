@@ -153,3 +153,29 @@ def test_peak_memory_sees_a_step_allocation_and_divides_it_by_tokens():
     # the step's own 256 MiB show above the memory held at its start: 256 KiB for each of 1,024 tokens
     assert 240 <= figures["activation_kb_per_token"] <= 400
     del block
+
+
+def test_the_fused_sft_head_matches_autograd_under_bf16_autocast(tiny_tokenizer):
+    """The fused head reproduces autocast's numerics by hand (bf16 matmuls, fp32 softmax): against the
+    checkpointed chunks (plain autograd under autocast), within bf16 rounding."""
+    from posttrain.train import scored_token_stats
+    from posttrain.train.chunked import summed_cross_entropy
+
+    batch = collate([packed_row(documents(3, 30, 6))], pad_id=0)
+    inputs = {key: batch[key] for key in ("position_ids",)}
+    select = batch["labels"][:, 1:] != -100
+    targets = batch["labels"][:, 1:][select]
+    results = []
+    for fused in (True, False):
+        model = model_for(tiny_tokenizer)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                loss = summed_cross_entropy(model, batch["input_ids"], select, targets, chunk_tokens=16, **inputs)
+            else:
+                loss = -scored_token_stats(model, batch["input_ids"], select, targets, chunk_tokens=16,
+                                           **inputs).logprobs.sum()
+        loss.backward()
+        results.append((float(loss.detach()), grads(model)))
+    (fused_loss, fused_grads), (plain_loss, plain_grads) = results
+    assert abs(fused_loss - plain_loss) <= 1e-3 * abs(plain_loss)
+    assert_same_grads(fused_grads, plain_grads, tolerance=3e-2)

@@ -16,6 +16,12 @@ Per token, in fp32, as `train.forward` computes them unchunked (the same functio
     entropy = logsumexp(z) - sum softmax(z) * z,   z = logit / T
 
 A model whose head cannot be split off (`forward._splittable`) runs its own forward and is scored unchunked.
+
+The SFT loss (`summed_cross_entropy`) skips the recomputation where the head is a plain bias-free linear layer
+with no soft-cap (Llama and most families): its gradient with respect to the logits is known in the forward,
+``softmax(logit) - onehot(target)`` times the loss's upstream gradient (one scalar), so each chunk's
+gradients for the hidden states and the head weight are computed right away and the backward only scales
+them (what Liger's fused linear cross-entropy does): three head matmuls per token, as an unchunked loss.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.train.forward import _after_head, _splittable, selected_logits, target_logprobs
+from posttrain.train.forward import _after_head, _splittable, final_logit_softcap, selected_logits, target_logprobs
 
 # Scored tokens per chunk: 1,024 x 32k vocab is 128 MiB of fp32 logits; smaller chunks only add dispatch.
 LOSS_CHUNK_TOKENS = 1024
@@ -85,6 +91,57 @@ def chunked_head_stats(model: torch.nn.Module, head: torch.nn.Module, hidden: to
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return TokenStats(empty, empty if entropy else None)
     return TokenStats(torch.cat(logprobs), torch.cat(entropies) if entropy else None)
+
+
+def summed_cross_entropy(model: torch.nn.Module, input_ids: torch.Tensor, select: torch.Tensor,
+                         targets: torch.Tensor, *, chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+                         **model_kwargs: Any) -> torch.Tensor:
+    """Summed cross-entropy of `targets` at the scored positions (`select`), in chunks (see the module)."""
+    parts = _splittable(model)
+    head = parts[1] if parts is not None else None
+    fused = (chunk_tokens and isinstance(head, torch.nn.Linear) and head.bias is None
+             and final_logit_softcap(model) is None and torch.is_grad_enabled())
+    if not fused:
+        return -scored_token_stats(model, input_ids, select, targets, chunk_tokens=chunk_tokens,
+                                   **model_kwargs).logprobs.sum()
+    model_kwargs.setdefault("use_cache", False)
+    hidden = parts[0](input_ids=input_ids, **model_kwargs).last_hidden_state[:, :-1][select]
+    device = hidden.device.type
+    matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return _FusedHeadCrossEntropy.apply(hidden, head.weight, targets, chunk_tokens, matmul_dtype)
+
+
+class _FusedHeadCrossEntropy(torch.autograd.Function):
+    """sum_t -log softmax(h_t W^T)[target_t], its gradients computed chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, matmul_dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            # Autocast's numerics by hand: matmul operands and results in `matmul_dtype`, softmax in fp32.
+            low = matmul_dtype or weight.dtype
+            w = weight.detach().to(low)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h = hidden[start : start + chunk_tokens].detach().to(low)
+                t = targets[start : start + chunk_tokens]
+                logits = (h @ w.T).float()
+                log_z = torch.logsumexp(logits, dim=-1)
+                total += (log_z - logits.gather(-1, t[:, None]).squeeze(-1)).sum()
+                grad_logits = torch.exp(logits - log_z[:, None])  # d(-log p_target) / d logits
+                grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1.0
+                grad_logits = grad_logits.to(low)
+                grad_hidden[start : start + chunk_tokens] = (grad_logits @ w).to(hidden.dtype)
+                grad_weight += (grad_logits.T @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output, (grad_weight * grad_output).to(ctx.weight_dtype), None, None, None
 
 
 def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool) -> TokenStats:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.data import model_inputs
-from posttrain.train.chunked import LOSS_CHUNK_TOKENS, scored_token_stats
+from posttrain.train.chunked import LOSS_CHUNK_TOKENS, summed_cross_entropy
 
 
 def sft_loss_sum(model: torch.nn.Module, batch: dict[str, Any],
@@ -24,5 +24,5 @@ def sft_loss_sum(model: torch.nn.Module, batch: dict[str, Any],
     labels = inputs.pop("labels")
     select = labels[:, 1:] != -100
     targets = labels[:, 1:][select]
-    stats = scored_token_stats(model, inputs.pop("input_ids"), select, targets, chunk_tokens=chunk_tokens, **inputs)
-    return -stats.logprobs.sum(), int(targets.numel())
+    summed = summed_cross_entropy(model, inputs.pop("input_ids"), select, targets, chunk_tokens=chunk_tokens, **inputs)
+    return summed, int(targets.numel())
