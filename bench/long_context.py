@@ -140,8 +140,9 @@ def worker_trl(base: Path, data: Path, threads: int) -> dict:
             use_cpu=True, logging_steps=1, report_to="none", save_strategy="no", dataset_num_proc=1, seed=0,
             disable_tqdm=True,
         )
-        trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list([{"input_ids": s} for s in sequences]),
-                             processing_class=tokenizer, callbacks=[clock])
+        dataset = Dataset.from_list([{"input_ids": s} for s in sequences])
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[clock])
         trainer.train()
         losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
         settings = {"gradient_checkpointing": bool(config.gradient_checkpointing),
@@ -204,8 +205,9 @@ def main() -> int:
         }
     figures["trl"]["settings"] = runs["trl"][0].get("settings", {})
     if "ours_nockpt" in figures:
-        figures["ours_nockpt"]["memory_ratio"] = round(figures["ours_nockpt"]["peak_rss_mb"] / figures["trl"]["peak_rss_mb"], 3)
-        figures["ours_nockpt"]["ratio"] = round(figures["ours_nockpt"]["tokens_per_s"] / figures["trl"]["tokens_per_s"], 3)
+        variant, trl = figures["ours_nockpt"], figures["trl"]
+        variant["memory_ratio"] = round(variant["peak_rss_mb"] / trl["peak_rss_mb"], 3)
+        variant["ratio"] = round(variant["tokens_per_s"] / trl["tokens_per_s"], 3)
     print(json.dumps({
         "bench": "long_context",
         "length": args.length, "vocab": VOCAB, "steps": args.steps, "repeats": args.repeats, "threads": threads,

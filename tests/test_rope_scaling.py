@@ -83,7 +83,8 @@ def test_dynamic_ntk_past_the_original_length_differs_from_a_forward_by_construc
 
 
 def _assert_engine_matches_forward(engine, model, prompt_length: int = 40, new_tokens: int = 24) -> None:
-    prompts = [[(5 * i) % 300 + 3 for i in range(prompt_length)], [(11 * i) % 290 + 5 for i in range(prompt_length - 9)]]
+    prompts = [[(5 * i) % 300 + 3 for i in range(prompt_length)],
+               [(11 * i) % 290 + 5 for i in range(prompt_length - 9)]]
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=2, seed=0)
     groups = engine.generate([GenerationRequest(p) for p in prompts], sampling)
     longest = 0

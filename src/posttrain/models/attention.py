@@ -20,7 +20,8 @@ compute (attention sinks, ``s_aux``) is a `ValueError`, never a silent differenc
 Bucket padding sits after each segment's real tokens, so causality alone keeps real queries from seeing it.
 On CPU the per-bucket attention is plain matmul + fp32 softmax (faster there than the fused sdpa kernel in
 bf16) up to `LONG_SEGMENT` tokens, and the fused causal sdpa kernel from there (the matmul path's backward
-keeps ``width^2`` probabilities per head: a long-context run would spend its memory there); on other devices it is `scaled_dot_product_attention` with ``is_causal`` (a boolean mask with a
+keeps ``width^2`` probabilities per head: a long-context run would spend its memory there); on other devices
+it is `scaled_dot_product_attention` with ``is_causal`` (a boolean mask with a
 window; the matmul path with a soft-cap, which sdpa cannot apply).
 
 It plugs into transformers (>= 5) as an attention implementation for causal decoders (Llama and the like,

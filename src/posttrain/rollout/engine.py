@@ -179,7 +179,8 @@ class HFEngine:
         if choice == "generic" or reason is not None:
             if choice == "auto":
                 # A rope scaling the fast decoder cannot take is the user's choice of model: say so loudly.
-                (log.warning if reason and "rope type" in reason else log.info)("HFEngine: generic runner (%s)", reason)
+                loud = reason is not None and "rope type" in reason
+                (log.warning if loud else log.info)("HFEngine: generic runner (%s)", reason)
             return GenericRunner(self.model, self.autocast)
         return DecoderRunner(self.model, self.autocast, compile=compile, prefill_chunk=self.prefill_chunk)
 
@@ -315,7 +316,8 @@ class HFEngine:
             return narrow
         width = max(len(p) for p in prompts)
         dims = self._runner.dims
-        widened = 2 * len(self._runner.layers) * (width * len(prompts) + steps * rows) * dims.kv_heads * dims.head_dim * 4
+        columns = width * len(prompts) + steps * rows  # prompt part (shared by a group) and generated part
+        widened = 2 * len(self._runner.layers) * columns * dims.kv_heads * dims.head_dim * 4
         return narrow if width >= LONG_PROMPT or widened > self.kv_widen_limit_mb * 2**20 else torch.float32
 
     def _note_kv_memory(self) -> None:
