@@ -36,19 +36,6 @@ def tiny_model(tiny_tokenizer):
     return build_tiny_model("tiny-1m", tiny_tokenizer, seed=0)
 
 
-@pytest.fixture()
-def one_thread():
-    """One torch thread for the test (restored after): decoding a tiny model on a shared CPU with several OpenMP
-    threads spinning against other processes turns seconds into minutes. Use with
-    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory, tiny_tokenizer):
     """The tiny model saved as a Hugging Face directory, for runs that load their policy from a path."""
@@ -64,3 +51,16 @@ def pytest_configure(config):
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (restored after): decoding or training a tiny model on a shared CPU
+    with several OpenMP threads spinning against other processes turns seconds into minutes. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

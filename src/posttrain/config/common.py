@@ -30,6 +30,27 @@ class LoraConfig(Section):
     merge_on_save: bool = True
 
 
+class RopeScalingConfig(Section):
+    """Extend a model's context by rescaling its rotary position embedding (`posttrain.models.apply_rope_scaling`).
+
+    The new maximum length is ``original_max_position_embeddings * factor`` and is saved in the checkpoint's
+    config. "linear" divides every position by `factor`; "dynamic" (NTK-aware) raises the rotary base with the
+    sequence length once it passes the original length; "yarn" interpolates the low frequencies only, with an
+    attention temperature; "llama3" is Llama 3.1's wavelength-banded interpolation.
+    """
+
+    type: Literal["linear", "dynamic", "yarn", "llama3"]
+    factor: float = Field(gt=1.0)
+    original_max_position_embeddings: int | None = Field(None, gt=0)  # default: the model's current maximum
+    # yarn: the correction range in rotations, and the attention temperature (default 0.1 ln(factor) + 1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    attention_factor: float | None = Field(None, gt=0)
+    # llama3: wavelengths above original / low_freq_factor are interpolated, below original / high_freq_factor kept
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+
+
 class ModelConfig(Section):
     path: str | None = None  # a local Hugging Face directory or a hub id (org/name); unset = the built-in tiny model
     preset: Literal["tiny-1m", "tiny-3m", "tiny-10m", "tiny-30m"] = "tiny-3m"
@@ -40,6 +61,7 @@ class ModelConfig(Section):
     # sdpa elsewhere; or any implementation transformers knows (eager, sdpa, flash_attention_2 ...).
     attn_implementation: str = "auto"
     lora: LoraConfig = LoraConfig()
+    rope_scaling: RopeScalingConfig | None = None  # context extension (docs/long-context.md)
     seed: int = 0  # initialisation of the built-in model
 
 

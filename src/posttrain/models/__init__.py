@@ -25,6 +25,7 @@ from posttrain.models.load import (
 )
 from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.parts import attention_kernel, disable_dropout, split_head
+from posttrain.models.rope import RopeScalingError, apply_rope_scaling, context_length, rope_parameters
 from posttrain.models.reward import RewardModel, ScalarRewardModel, load_reward_model, save_reward_model
 from posttrain.models.tiny import PRESETS, build_tiny_model, count_parameters, tiny_config
 from posttrain.models.tokenizer import CHAT_TEMPLATE, END, PAD, train_tokenizer
@@ -41,9 +42,11 @@ __all__ = [
     "PRESETS",
     "QUANTIZE_TARGETS",
     "RewardModel",
+    "RopeScalingError",
     "ScalarRewardModel",
     "VARLEN",
     "apply_lora",
+    "apply_rope_scaling",
     "attention_choice",
     "attention_kernel",
     "autocast_dtype",
@@ -51,6 +54,7 @@ __all__ = [
     "capture_rng",
     "check_same_tokenizer",
     "count_adapted",
+    "context_length",
     "count_parameters",
     "disable_dropout",
     "export_model",
@@ -68,6 +72,7 @@ __all__ = [
     "reference_mode",
     "resolve_device",
     "restore_rng",
+    "rope_parameters",
     "save_checkpoint",
     "save_model_dir",
     "save_reward_model",

@@ -19,7 +19,9 @@ compute (attention sinks, ``s_aux``) is a `ValueError`, never a silent differenc
 
 Bucket padding sits after each segment's real tokens, so causality alone keeps real queries from seeing it.
 On CPU the per-bucket attention is plain matmul + fp32 softmax (faster there than the fused sdpa kernel in
-bf16); on other devices it is `scaled_dot_product_attention` with ``is_causal`` (a boolean mask with a
+bf16) up to `LONG_SEGMENT` tokens, and the fused causal sdpa kernel from there (the matmul path's backward
+keeps ``width^2`` probabilities per head: a long-context run would spend its memory there); on other devices
+it is `scaled_dot_product_attention` with ``is_causal`` (a boolean mask with a
 window; the matmul path with a soft-cap, which sdpa cannot apply).
 
 It plugs into transformers (>= 5) as an attention implementation for causal decoders (Llama and the like,
@@ -43,6 +45,8 @@ import torch
 import torch.nn.functional as F
 
 NUM_BUCKETS = 4
+# From this many tokens a bucket runs torch's fused causal kernel on CPU too (memory linear in the length).
+LONG_SEGMENT = 1024
 
 
 class _Features(NamedTuple):
@@ -159,8 +163,12 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
     visible = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
     if features.window is not None and features.window < width:
         visible = visible.triu(1 - features.window)
+    plain = features.window is None or features.window >= width
+    if features.softcap is None and plain and width >= LONG_SEGMENT and not dropout:
+        # Long segments: the fused kernel keeps O(width) memory for the backward; the matmul path below keeps
+        # the [heads, width, width] probabilities (1 GiB per layer for 4 heads at 8k tokens).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=features.scale)
     if q.device.type != "cpu" and features.softcap is None:
-        plain = features.window is None or features.window >= width
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if plain else visible, dropout_p=dropout,
                                               is_causal=plain, scale=features.scale)
     # The diagonal is always visible, so no row is fully masked and softmax never sees only -inf.

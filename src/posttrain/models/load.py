@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.config import ModelConfig, RuntimeConfig
+from posttrain.models.rope import apply_rope_scaling
 from posttrain.models.tiny import build_tiny_model
 from posttrain.models.tokenizer import train_tokenizer
 from posttrain.types import PosttrainError
@@ -89,18 +90,21 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase,
     device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """The causal LM at `config.path`, or a fresh built-in tiny model sized for `tokenizer`."""
+    """The causal LM at `config.path`, or a fresh built-in tiny model sized for `tokenizer`, with
+    `config.rope_scaling` written into its config before it is built (`posttrain.models.rope`)."""
     dtype = _DTYPES[config.dtype]
     if config.path is None:
-        model = build_tiny_model(config.preset, tokenizer, seed=config.seed).to(dtype)
+        model = build_tiny_model(config.preset, tokenizer, seed=config.seed, rope_scaling=config.rope_scaling)
+        model = model.to(dtype)
     else:
         _require_dir_or_hub_id(config.path, "model.path")
         try:
-            AutoConfig.from_pretrained(config.path)
+            hf_config = AutoConfig.from_pretrained(config.path)
         except (OSError, ValueError) as error:
             raise _load_error(config.path, "model.path", "not a Hugging Face model directory", error) from None
         _require_quantizer(config.path)
-        model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
+        apply_rope_scaling(hf_config, config.rope_scaling)
+        model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, dtype=dtype)
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(
             f"model.path: the model has {model.get_input_embeddings().num_embeddings} embeddings but the "

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from posttrain.config import RopeScalingConfig
+from posttrain.models.rope import apply_rope_scaling
+
 
 @dataclass(frozen=True)
 class TinyPreset:
@@ -51,9 +54,11 @@ def tiny_config(preset: str, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
     )
 
 
-def build_tiny_model(preset: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> LlamaForCausalLM:
-    """A freshly initialised tiny Llama whose vocabulary matches `tokenizer`."""
-    config = tiny_config(preset, tokenizer)
+def build_tiny_model(preset: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0,
+                     rope_scaling: RopeScalingConfig | None = None) -> LlamaForCausalLM:
+    """A freshly initialised tiny Llama whose vocabulary matches `tokenizer` (its rotary embedding scaled by
+    `rope_scaling`, its context extended from the preset's 1,024 positions)."""
+    config = apply_rope_scaling(tiny_config(preset, tokenizer), rope_scaling)
     # Initialise under a private generator state so building a model never perturbs the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -32,9 +32,8 @@ from posttrain.train import (
     build_scheduler,
     load_optimizer_state,
     optimizer_step,
-    selected_logits,
+    scored_token_stats,
     sft_loss_sum,
-    target_logprobs,
 )
 from posttrain.types import Trajectory
 
@@ -207,9 +206,8 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
     if is_lora(model):
         def lora_reference(input_ids, attention_mask, score_mask):
             with reference_mode(model):
-                logits = selected_logits(model, input_ids, score_mask, attention_mask=attention_mask)
-            targets = input_ids[:, 1:][score_mask]
-            return target_logprobs(logits, targets, temperature)
+                return scored_token_stats(model, input_ids, score_mask, input_ids[:, 1:][score_mask],
+                                          temperature=temperature, attention_mask=attention_mask).logprobs
 
         return lora_reference
     frozen = copy.deepcopy(model).eval()
@@ -217,8 +215,8 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         parameter.requires_grad_(False)
 
     def copy_reference(input_ids, attention_mask, score_mask):
-        logits = selected_logits(frozen, input_ids, score_mask, attention_mask=attention_mask)
-        return target_logprobs(logits, input_ids[:, 1:][score_mask], temperature)
+        return scored_token_stats(frozen, input_ids, score_mask, input_ids[:, 1:][score_mask],
+                                  temperature=temperature, attention_mask=attention_mask).logprobs
 
     return copy_reference
 

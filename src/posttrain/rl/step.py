@@ -31,15 +31,14 @@ from posttrain.config import PolicyLossConfig, RLRecipe
 from posttrain.train import (
     DataParallel,
     LOCAL,
+    PeakMemory,
     Runtime,
     aggregate,
-    entropy_from_logits,
     kl_penalty,
     logprob_gap_stats,
     optimizer_step,
     per_token_policy_loss,
-    selected_logits,
-    target_logprobs,
+    scored_token_stats,
     truncated_importance_weights,
 )
 from posttrain.types import Trajectory
@@ -159,6 +158,9 @@ def rl_update(
     if not trajectories:
         return {}
     model.train()
+    memory = PeakMemory(settings.runtime.device)
+    memory.start()
+    largest_micro = 0
     minis = mini_batches(trajectories, settings.updates_per_batch)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -170,11 +172,14 @@ def rl_update(
         if not mini:
             continue
         stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, parallel)
+        largest_micro = max(largest_micro, int(stats.pop("micro_batch_tokens")))
         stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1
-    return {key: totals[key] / counts[key] for key in totals}
+    out = {key: totals[key] / counts[key] for key in totals}
+    out.update(memory.figures(largest_micro))  # the step's peak memory, and above its start per token
+    return out
 
 
 def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings,
@@ -187,6 +192,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
     weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
     ratio_max, ratio_min = float("-inf"), float("inf")
     trainer_logprobs, behaviour_logprobs = [], []
+    largest_micro = 0
     size = settings.micro_batch_size
     for chunk in parallel.micro_batches(mini, size):
         if not chunk:
@@ -195,11 +201,11 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         num_seqs = len(chunk)
-        with runtime.autocast():
-            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = target_logprobs(logits, micro.targets)
+        largest_micro = max(largest_micro, int(micro.input_ids.numel()))
+        with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
+            logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                                   temperature=temperature, entropy=True,
+                                                   attention_mask=micro.attention_mask)
         weights = None
         if config.old_policy == "behaviour":
             old = micro.behaviour
@@ -219,7 +225,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         )
         loss = reduce(per_token)
         stats["pg_loss"] = float(loss.detach())
-        entropy = entropy_from_logits(logits if config.entropy_coef else logits.detach())
+        entropy = entropy if config.entropy_coef else entropy.detach()
         if config.entropy_coef:
             loss = loss - config.entropy_coef * reduce(entropy)
         stats["entropy"] = float(entropy.detach().mean())
@@ -244,7 +250,8 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
             parallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
     out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
-    out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens))
+    out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens),
+               micro_batch_tokens=float(largest_micro))
     out.update(logprob_gap_stats(trainer_all, behaviour_all))
     return out
 
@@ -273,8 +280,9 @@ def _proximal_logprobs(model, trajectories, advantages, order: list[int], settin
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         with runtime.autocast():
-            logits = selected_logits(model, micro.input_ids, micro.score_mask, attention_mask=micro.attention_mask)
-        logprobs = target_logprobs(logits, micro.targets, settings.temperature)
+            logprobs = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                          temperature=settings.temperature,
+                                          attention_mask=micro.attention_mask).logprobs
         for row, index in enumerate(chunk):
             cache[index] = logprobs[micro.seq_index == row]
     model.train()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PREFILL_CHUNK = 1024  # prompt columns per prefill pass (shorter prompts take one pass)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
@@ -126,7 +127,7 @@ class _Dims(NamedTuple):
 
 
 class _DecodeCaches(NamedTuple):
-    keys: list[torch.Tensor]  # per layer [max_new, rows, kv_heads, head_dim], float32
+    keys: list[torch.Tensor]  # per layer [max_new, rows, kv_heads, head_dim], float32 or the attention dtype
     values: list[torch.Tensor]
     prompt_keys: list[torch.Tensor]  # per layer [P, prompts, kv_heads, head_dim]
     prompt_values: list[torch.Tensor]
@@ -222,6 +223,10 @@ def _logits(hidden: torch.Tensor, norm: _Norm, head: Linear, dims: _Dims) -> tor
     return _linear(_rms_norm(hidden, norm), head, dims.autocast).float()
 
 
+def _wide(cache: torch.Tensor) -> torch.Tensor:
+    return cache.to(torch.float32)
+
+
 def _to_grid(x: torch.Tensor, caches: _DecodeCaches) -> torch.Tensor:
     """[rows, kv_heads, group, F] -> [prompts, kv_heads, slots * group, F], zero where no row sits."""
     prompts, slots = caches.prompts, caches.slots
@@ -250,15 +255,16 @@ def _decode_step(ids: torch.Tensor, positions: torch.Tensor, length: int, embed:
         caches.keys[index][length] = k[:, 0].to(dims.attn_dtype)
         caches.values[index][length] = v[:, 0].to(dims.attn_dtype)
         q = _operand(q, dims).view(rows, kv_heads, group, head_dim)
-        prompt_keys = caches.prompt_keys[index].permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
-        own_keys = caches.keys[index][: length + 1].permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
+        # A cache stored in the model's dtype is widened here, one layer at a time (a no-op for float32).
+        prompt_keys = _wide(caches.prompt_keys[index]).permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
+        own_keys = _wide(caches.keys[index][: length + 1]).permute(1, 2, 3, 0)  # [rows, kv_heads, D, t]
         prompt_scores = _from_grid(torch.matmul(_to_grid(q, caches), prompt_keys), caches, group) + caches.row_bias
         scores = torch.cat([prompt_scores, torch.matmul(q, own_keys)], dim=-1).mul_(scaling)
         weights = torch.softmax(scores, dim=-1)
         width = prompt_keys.shape[-1]
-        own_values = caches.values[index][: length + 1].permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
+        own_values = _wide(caches.values[index][: length + 1]).permute(1, 2, 0, 3)  # [rows, kv_heads, t, D]
         out = torch.matmul(weights[..., width:], own_values)
-        prompt_values = caches.prompt_values[index].permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
+        prompt_values = _wide(caches.prompt_values[index]).permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
         out += _from_grid(torch.matmul(_to_grid(weights[..., :width], caches), prompt_values), caches, group)
         return out.view(rows, 1, kv_heads * group * head_dim).to(dims.attn_dtype)
 
@@ -284,10 +290,12 @@ class DecoderRunner:
     """Prefill, decode and compaction for one batch of rows (sequences), the prompt KV shared by its group.
 
     KV caches are time-major, ``[length, batch, kv_heads, head_dim]`` per layer, rounded to the attention
-    operand dtype (bf16 under autocast: exactly what SDPA would be given) and stored widened to float32, the
-    dtype of the attention matmuls (SDPA accumulates in float32). Storing them widened doubles their memory but
-    reads less per step than widening a low-precision cache at every step (2 bytes read, 4 written and read
-    again per element), and saves an op per cache and layer (tiny-3m, 64 x 32 tokens: 133 -> 111 ms). Two parts:
+    operand dtype (bf16 under autocast: exactly what SDPA would be given) and stored in ``kv_dtype``: widened
+    to float32, the dtype of the attention matmuls (SDPA accumulates in float32), or in the attention dtype
+    itself. Widened, they take twice the memory but read less per step than widening a low-precision cache at
+    every step (2 bytes read, 4 written and read again per element), and save an op per cache and layer
+    (tiny-3m, 64 x 32 tokens: 133 -> 111 ms); the engine keeps them in the model's dtype for long prompts and
+    large caches (`HFEngine`'s ``kv_cache_dtype``). The values are the same either way. Two parts:
 
     * the prompt part, one slot per distinct prompt, written once by the prefill and never copied per row;
     * the generated part, one slot per row, preallocated for ``max_new_tokens`` columns.
@@ -298,7 +306,8 @@ class DecoderRunner:
     n times less KV memory and traffic. Dropping finished rows re-packs the grid (and the prompts left).
     """
 
-    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None, compile: bool = False):
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None, compile: bool = False,
+                 kv_dtype: torch.dtype = torch.float32, prefill_chunk: int | None = PREFILL_CHUNK):
         reason = fast_path_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -318,6 +327,11 @@ class DecoderRunner:
         self.device = self.body.embed_tokens.weight.device
         self.param_dtype = param_dtype
         self.step = _compiled_step() if compile else _decode_step
+        # float32 (the default: the fastest here, see the class docstring) or the attention dtype (half the
+        # memory); the engine picks per chunk (`HFEngine(kv_cache_dtype=...)`), so it is an attribute.
+        self.kv_dtype = kv_dtype
+        self.prefill_chunk = prefill_chunk
+        self.peak_kv_bytes = 0
         self._rope_len = 0
         self.release()
 
@@ -342,7 +356,11 @@ class DecoderRunner:
     # ---- prefill: the prompts attend to themselves ------------------------------------------------------
 
     def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
-        """Run the distinct prompts once; each gets `rows_per_prompt` rows. Logits [rows, vocab]."""
+        """Run the distinct prompts once; each gets `rows_per_prompt` rows. Logits [rows, vocab].
+
+        Prompts longer than `prefill_chunk` run `prefill_chunk` columns at a time through all layers (each
+        chunk attends to the KV of the chunks before it and causally to itself): the attention scores are
+        ``[chunk, P]`` per head instead of ``[P, P]``, which for an 8k prompt is 16x less transient memory."""
         width = max(len(p) for p in prompts)
         self._rope(width + max_new_tokens)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -352,34 +370,12 @@ class DecoderRunner:
             valid[row, width - len(prompt) :] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
         positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
-        # A padding query sees only itself: finite garbage that no real token ever attends to.
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril_()
-        mask = ((causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device))[:, None]
         self.prompt_keys = [self._empty(width, len(prompts)) for _ in self.layers]
         self.prompt_values = [self._empty(width, len(prompts)) for _ in self.layers]
-
-        dims = self.dims
-
-        def attend(index, q, k, v, scaling):
-            self.prompt_keys[index][:] = k.transpose(0, 1).to(dims.attn_dtype)
-            self.prompt_values[index][:] = v.transpose(0, 1).to(dims.attn_dtype)
-            keys = self.prompt_keys[index].permute(1, 2, 3, 0)  # [B, kv_heads, D, P]
-            values = self.prompt_values[index].permute(1, 2, 0, 3)  # [B, kv_heads, P, D]
-            batch, _, heads, head_dim = q.shape
-            # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
-            q = _operand(q, dims).permute(0, 2, 1, 3).reshape(batch, dims.kv_heads, dims.group * width, head_dim)
-            scores = torch.matmul(q, keys).mul_(scaling)
-            scores = scores.view(batch, dims.kv_heads, dims.group, width, width).masked_fill_(
-                ~mask[:, :, None], float("-inf")
-            )
-            weights = torch.softmax(scores.view(batch, dims.kv_heads, -1, width), dim=-1)
-            out = torch.matmul(weights, values).view(batch, heads, width, head_dim)
-            return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(dims.attn_dtype)
-
-        x = F.embedding(ids, self.body.embed_tokens.weight)
-        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, S, 1, D]
-        hidden = _layers(x, cos, sin, self._layer_weights(), dims, attend)
-        logits = _logits(hidden[:, -1], self.final_norm, self._head(), dims)
+        layers, chunk = self._layer_weights(), self.prefill_chunk or width
+        for start in range(0, width, chunk):
+            hidden = self._prefill_columns(ids, valid, positions, start, min(width, start + chunk), layers)
+        logits = _logits(hidden[:, -1], self.final_norm, self._head(), self.dims)
         rows_prompt = torch.arange(len(prompts), device=self.device).repeat_interleave(rows_per_prompt)
         self.prompt_bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
         self.keys = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]
@@ -387,11 +383,48 @@ class DecoderRunner:
         self.length = 0
         self.positions = valid.sum(-1)[rows_prompt]
         self._regroup(rows_prompt)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
         return logits[rows_prompt]
+
+    def _prefill_columns(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, start: int,
+                         end: int, layers: list[_LayerWeights]) -> torch.Tensor:
+        """Prompt columns [start, end) through every layer, their KV written into the prompt caches; the hidden
+        states [B, end - start, hidden]."""
+        dims, span = self.dims, end - start
+        query_at = torch.arange(start, end, device=self.device)[:, None]
+        key_at = torch.arange(end, device=self.device)[None, :]
+        # A padding query sees only itself: finite garbage that no real token ever attends to.
+        mask = (((key_at <= query_at) & valid[:, None, :end]) | (key_at == query_at))[:, None]
+
+        def attend(index, q, k, v, scaling):
+            self.prompt_keys[index][start:end] = k.transpose(0, 1).to(dims.attn_dtype)
+            self.prompt_values[index][start:end] = v.transpose(0, 1).to(dims.attn_dtype)
+            keys = _wide(self.prompt_keys[index][:end]).permute(1, 2, 3, 0)  # [B, kv_heads, D, end]
+            values = _wide(self.prompt_values[index][:end]).permute(1, 2, 0, 3)  # [B, kv_heads, end, D]
+            batch, _, heads, head_dim = q.shape
+            # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
+            q = _operand(q, dims).permute(0, 2, 1, 3).reshape(batch, dims.kv_heads, dims.group * span, head_dim)
+            scores = torch.matmul(q, keys).mul_(scaling)
+            scores = scores.view(batch, dims.kv_heads, dims.group, span, end).masked_fill_(
+                ~mask[:, :, None], float("-inf")
+            )
+            weights = torch.softmax(scores.view(batch, dims.kv_heads, -1, end), dim=-1)
+            out = torch.matmul(weights, values).view(batch, heads, span, head_dim)
+            return out.transpose(1, 2).reshape(batch, span, heads * head_dim).to(dims.attn_dtype)
+
+        x = F.embedding(ids[:, start:end], self.body.embed_tokens.weight)
+        where = positions[:, start:end]
+        cos, sin = self.cos[where].unsqueeze(2), self.sin[where].unsqueeze(2)  # [B, S, 1, D]
+        return _layers(x, cos, sin, layers, dims, attend)
+
+    def kv_bytes(self) -> int:
+        """Bytes the KV caches hold now (prompt part and generated part, every layer)."""
+        return sum(t.numel() * t.element_size()
+                   for caches in (self.prompt_keys, self.prompt_values, self.keys, self.values) for t in caches)
 
     def _empty(self, length: int, batch: int) -> torch.Tensor:
         shape = (length, batch, self.dims.kv_heads, self.dims.head_dim)
-        return torch.empty(shape, dtype=torch.float32, device=self.device)  # holds attn_dtype-rounded values
+        return torch.empty(shape, dtype=self.kv_dtype, device=self.device)  # holds attn_dtype-rounded values
 
     # ---- decode: one token per row, attending to its prompt (shared) and its own tokens ---------------
 
@@ -465,6 +498,7 @@ class DecoderRunner:
         self._rope(int(self.positions.max()) + capacity + 1)
         rows_prompt = torch.cat([torch.arange(old_rows, device=self.device), old_rows + self.rows_prompt])
         self._regroup(rows_prompt)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
         return logits
 
     def reserve(self, capacity: int) -> None:
@@ -477,6 +511,7 @@ class DecoderRunner:
                 grown[: self.length] = cache[: self.length]
                 caches[index] = grown
         self._rope(int(self.positions.max()) + capacity - self.length + 1)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
 
     def _folded(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Per running row: its prompt KV then its generated KV, as one prompt slot per row ([P + t, rows, ...])

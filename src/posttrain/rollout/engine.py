@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.rollout.decoder import DecoderRunner, fast_path_unsupported
+from posttrain.models import context_length
+from posttrain.rollout.decoder import PREFILL_CHUNK, DecoderRunner, fast_path_unsupported
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.generic import GenericRunner
 from posttrain.rollout.sampling import Sampler, check_sampling, stream_seed, unseeded
@@ -38,6 +39,11 @@ from posttrain.rollout.weights import check_state, copy_state
 from posttrain.types import Completion, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# The fast decoder's KV cache is widened to float32 (faster to read on CPU) only while it stays under this many
+# MiB and the chunk's prompts are shorter than LONG_PROMPT tokens; beyond, it is kept in the model's dtype.
+KV_WIDEN_LIMIT_MB = 256.0
+LONG_PROMPT = 2048
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +60,8 @@ class EngineStats:
     weight_updates: int = 0
     update_s: float = 0.0
     last_update_s: float | None = None
+    peak_kv_mb: float = 0.0  # the largest KV cache a chunk held (fast decoder: prompt and generated parts)
+    kv_cache_dtype: str = ""  # the storage dtype of the last chunk's KV cache
 
 
 class _Record:
@@ -129,6 +137,9 @@ class HFEngine:
         runner: Literal["auto", "fast", "generic"] = "auto",
         num_threads: int | None = None,
         compile: bool = False,
+        kv_cache_dtype: Literal["auto", "model", "float32"] = "auto",
+        kv_widen_limit_mb: float = KV_WIDEN_LIMIT_MB,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ):
         if hasattr(model, "peft_config"):
             raise RolloutError(
@@ -151,11 +162,14 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        config = model.config
-        self.max_length = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_length = context_length(model.config)  # extended by model.rope_scaling where set
         self._version = policy_version
         self._lock = threading.Lock()
         self.stats = EngineStats()
+        if kv_cache_dtype not in ("auto", "model", "float32"):
+            raise RolloutError(f"HFEngine: kv_cache_dtype={kv_cache_dtype!r}; use 'auto', 'model' or 'float32'")
+        self.kv_cache_dtype, self.kv_widen_limit_mb = kv_cache_dtype, kv_widen_limit_mb
+        self.prefill_chunk = prefill_chunk
         self._runner = self._make_runner(runner, compile)
 
     def _make_runner(self, choice: str, compile: bool) -> DecoderRunner | GenericRunner:
@@ -164,9 +178,11 @@ class HFEngine:
             raise RolloutError(f"HFEngine(runner='fast'): {reason}; use runner='auto' or 'generic'")
         if choice == "generic" or reason is not None:
             if choice == "auto":
-                log.info("HFEngine: generic runner (%s)", reason)
+                # A rope scaling the fast decoder cannot take is the user's choice of model: say so loudly.
+                loud = reason is not None and "rope type" in reason
+                (log.warning if loud else log.info)("HFEngine: generic runner (%s)", reason)
             return GenericRunner(self.model, self.autocast)
-        return DecoderRunner(self.model, self.autocast, compile=compile)
+        return DecoderRunner(self.model, self.autocast, compile=compile, prefill_chunk=self.prefill_chunk)
 
     @property
     def policy_version(self) -> int:
@@ -263,7 +279,10 @@ class HFEngine:
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
         steps = max(row_limits)
+        if isinstance(self._runner, DecoderRunner):
+            self._runner.kv_dtype = self._kv_dtype(prompts, len(row_limits), steps)
         logits = self._runner.prefill(prompts, sampling.n, steps)
+        self._note_kv_memory()
         sampler = Sampler(sampling, row_seeds, steps, self.device)
         record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
@@ -280,10 +299,35 @@ class HFEngine:
                 sampled = sampled[keep]
                 batch = [batch[position] for position in alive]
             logits = self._runner.decode(sampled)
+        self._note_kv_memory()  # the generic runner's cache grows as it decodes
         self.stats.chunks += 1
         self.stats.sequences += len(row_limits)
         self.stats.completion_tokens += sum(len(t) for t in record.tokens)
         return record.completions()
+
+    def _kv_dtype(self, prompts: list[list[int]], rows: int, steps: int) -> torch.dtype:
+        """The KV storage dtype for a chunk: float32 (fastest to read) while the widened cache is small and the
+        prompts short; the attention dtype (the model's, or autocast's) for long prompts or past
+        `kv_widen_limit_mb`. Under fp32 the two are the same."""
+        narrow = self._runner.dims.attn_dtype
+        if self.kv_cache_dtype == "float32" or narrow == torch.float32:
+            return torch.float32
+        if self.kv_cache_dtype == "model":
+            return narrow
+        width = max(len(p) for p in prompts)
+        dims = self._runner.dims
+        columns = width * len(prompts) + steps * rows  # prompt part (shared by a group) and generated part
+        widened = 2 * len(self._runner.layers) * columns * dims.kv_heads * dims.head_dim * 4
+        return narrow if width >= LONG_PROMPT or widened > self.kv_widen_limit_mb * 2**20 else torch.float32
+
+    def _note_kv_memory(self) -> None:
+        runner = self._runner
+        if isinstance(runner, DecoderRunner):
+            self.stats.peak_kv_mb = max(self.stats.peak_kv_mb, runner.peak_kv_bytes / 2**20)
+            self.stats.kv_cache_dtype = str(runner.kv_dtype).removeprefix("torch.")
+        else:
+            self.stats.peak_kv_mb = max(self.stats.peak_kv_mb, runner.kv_bytes() / 2**20)
+            self.stats.kv_cache_dtype = self.stats.kv_cache_dtype or "model"
 
     # ---- weights ----------------------------------------------------------------------------------------
 

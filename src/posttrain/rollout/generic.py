@@ -60,6 +60,15 @@ class GenericRunner:
             self.cache = output.past_key_values
         return output.logits[:, -1].float()
 
+    def kv_bytes(self) -> int:
+        """Bytes the cache object's key/value tensors hold now."""
+        total = 0
+        for layer in getattr(self.cache, "layers", None) or []:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)

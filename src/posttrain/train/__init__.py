@@ -9,6 +9,13 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 `posttrain.models`, never in a recipe.
 """
 
+from posttrain.train.chunked import LOSS_CHUNK_TOKENS, TokenStats, chunked_head_stats, scored_token_stats
+from posttrain.train.context_parallel import (
+    all_reduce_gradients,
+    all_reduce_sum,
+    context_parallel_loss_sum,
+    zigzag_positions,
+)
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
 from posttrain.train.forward import (
     ForwardParityError,
@@ -18,6 +25,7 @@ from posttrain.train.forward import (
     split_head,
     target_logprobs,
 )
+from posttrain.train.memory import PeakMemory
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
@@ -45,15 +53,22 @@ __all__ = [
     "DistillResult",
     "ForwardParityError",
     "LOCAL",
+    "LOSS_CHUNK_TOKENS",
     "LocalParallel",
+    "PeakMemory",
     "Runtime",
     "SFTResult",
     "StepFigures",
+    "TokenStats",
     "aggregate",
+    "all_reduce_gradients",
+    "all_reduce_sum",
     "build_optimizer",
     "build_scheduler",
     "check_forward_parity",
+    "chunked_head_stats",
     "clipped_value_loss",
+    "context_parallel_loss_sum",
     "entropy_from_logits",
     "find_checkpoint",
     "forward_kl",
@@ -73,6 +88,7 @@ __all__ = [
     "run_rm",
     "run_sft",
     "save_training",
+    "scored_token_stats",
     "seed_everything",
     "selected_logits",
     "setup_runtime",
@@ -84,4 +100,5 @@ __all__ = [
     "train_loop",
     "truncated_importance_weights",
     "write_checkpoint",
+    "zigzag_positions",
 ]

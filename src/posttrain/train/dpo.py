@@ -47,7 +47,8 @@ from posttrain.models import (
 )
 from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
-from posttrain.train.forward import check_forward_parity, selected_logits, target_logprobs
+from posttrain.train.chunked import scored_token_stats
+from posttrain.train.forward import check_forward_parity
 from posttrain.train.loop import Cursor
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.pairs import PreparedPairs, mean_stats, start_pair_run, sum_stats, train_on_pairs
@@ -164,8 +165,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[to
     sums = None
     for group in batch["groups"]:
         with attention_kernel(model, group["input_ids"]):
-            logits = selected_logits(model, group["input_ids"], group["select"])
-        token_logprobs = target_logprobs(logits, group["targets"])
+            token_logprobs = scored_token_stats(model, group["input_ids"], group["select"], group["targets"]).logprobs
         if sums is None:
             sums = torch.zeros(batch["num_rows"], dtype=token_logprobs.dtype, device=token_logprobs.device)
         sums = sums.index_add(0, group["row_index"], token_logprobs)

@@ -52,6 +52,7 @@ class StepFigures:
     weight: float  # the normalizer of the window's means: trained tokens (SFT), pairs (DPO, RM)
     tokens: int  # input tokens of the step (throughput)
     sums: dict[str, float] = field(default_factory=dict)  # summed statistics, logged as sums / weight
+    peaks: dict[str, float] = field(default_factory=dict)  # logged as their largest value over the window
 
 
 def train_loop(
@@ -116,12 +117,15 @@ class _Window:
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
         self.weight, self.samples, self.tokens = 0.0, 0, 0
         self.started = time.perf_counter()
 
     def add(self, figures: StepFigures, samples: int) -> None:
         for key, value in figures.sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
+        for key, value in figures.peaks.items():
+            self.peaks[key] = max(self.peaks.get(key, value), value)
         self.weight += figures.weight
         self.samples += samples
         self.tokens += figures.tokens
@@ -129,6 +133,7 @@ class _Window:
     def metrics(self, grad_norm: float, lr: float, rate_name: str | None) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         metrics = {f"train/{key}": value / max(self.weight, 1) for key, value in self.sums.items()}
+        metrics.update({f"train/{key}": value for key, value in self.peaks.items()})
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
         if rate_name is not None:
             metrics[f"train/{rate_name}"] = self.samples / elapsed

@@ -31,6 +31,7 @@ from posttrain.tracking import Tracker, say
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
+from posttrain.train.memory import PeakMemory
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.parallel import LOCAL, DataParallel
@@ -151,6 +152,8 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
               parallel: DataParallel) -> StepFigures:
     """One optimizer step over `rows`: this rank's micro-batches, the loss normalized by the whole step's
     trained tokens (gathered over the ranks), gradients summed across ranks."""
+    memory = PeakMemory(runtime.device)
+    memory.start()
     micro = recipe.train.micro_batch_size or recipe.train.batch_size
     chunks = parallel.micro_batches(rows, micro)  # this rank's share of the step
     batches = [collate(chunk, pad_id, device=runtime.device) if chunk else None for chunk in chunks]
@@ -170,8 +173,9 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
     parts = parallel.all_gather((loss_sum, input_tokens))
     loss_sum, input_tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
     grad_norm = optimizer_step(model, optimizer, scheduler, recipe.optim.max_grad_norm)
+    largest = max((int(b["input_ids"].numel()) for b in batches if b is not None), default=0)
     return StepFigures(loss=loss_sum / max(trained_tokens, 1), grad_norm=grad_norm, weight=trained_tokens,
-                       tokens=input_tokens, sums={"loss": loss_sum})
+                       tokens=input_tokens, sums={"loss": loss_sum}, peaks=memory.figures(largest))
 
 
 def _evaluate_and_check(model, tokenizer, data: PreparedSFTData, runtime, config, cursor: Cursor, tracker,
