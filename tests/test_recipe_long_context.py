@@ -1,5 +1,5 @@
-"""The packaged `long-context` recipe: it validates once `model.rope_scaling` exists (and names only that key
-until then), and its tasks are measured in the tokens of the tokenizer its own `base` stage trains, within the
+"""The packaged `long-context` recipe: it validates (with `model.rope_scaling` extending the model to 8,192
+positions), and its tasks are measured in the tokens of the tokenizer its own `base` stage trains, within the
 8,192 positions it extends the model to; `posttrain demo --recipe` runs a demo-stage recipe file."""
 
 from __future__ import annotations
@@ -9,29 +9,17 @@ import json
 import pytest
 
 from posttrain.cli import packaged_recipe
-from posttrain.config import ConfigError, DemoRecipe, ModelConfig, load_recipe
-
-HAS_ROPE_SCALING = "rope_scaling" in ModelConfig.model_fields
+from posttrain.config import DemoRecipe, load_recipe
 
 
 def _recipe(tmp_path, *overrides) -> DemoRecipe:
-    path = packaged_recipe("long-context")
-    if not HAS_ROPE_SCALING:  # the recipe without the key the RoPE-scaling branch adds (see its header)
-        text = path.read_text().replace("  model:\n    rope_scaling: {type: linear, factor: 8.0, "
-                                        "original_max_position_embeddings: 1024}\n", "")
-        path = tmp_path / "long-context.yaml"
-        path.write_text(text)
-    return load_recipe(path, [f"output_dir={tmp_path / 'run'}", *overrides], DemoRecipe)
+    return load_recipe(packaged_recipe("long-context"), [f"output_dir={tmp_path / 'run'}", *overrides], DemoRecipe)
 
 
-def test_the_recipe_validates_or_names_only_the_missing_rope_scaling_key(tmp_path):
-    if HAS_ROPE_SCALING:
-        recipe = load_recipe(packaged_recipe("long-context"), [], DemoRecipe)
-        assert recipe.sft.model.rope_scaling is not None
-    else:
-        with pytest.raises(ConfigError, match=r"long-context.yaml:\d+: unknown key 'sft.model.rope_scaling'"):
-            load_recipe(packaged_recipe("long-context"), [], DemoRecipe)
+def test_the_recipe_validates_with_its_rope_scaling(tmp_path):
     recipe = _recipe(tmp_path)
+    scaling = recipe.sft.model.rope_scaling
+    assert scaling is not None and scaling.factor == 8.0
     assert recipe.stages == ["sft", "rl", "report"] and recipe.sft.data.max_length == 8192
     assert [d.name for d in recipe.domains] == ["needle", "multi_doc_qa", "long_doc_qa"]
 

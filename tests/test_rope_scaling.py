@@ -134,3 +134,21 @@ def test_the_recipe_setting_extends_the_built_in_model(tiny_tokenizer):
     model = load_model(config, tiny_tokenizer)
     assert model.config.max_position_embeddings == 8 * 1024
     assert model.config.rope_parameters["original_max_position_embeddings"] == 1024
+
+
+def test_the_tokenizer_cap_follows_the_extended_context(tiny_tokenizer):
+    """The built-in tokenizer caps contexts at 4,096 tokens (the episode loop and eval bound a context by it): an
+    extended model raises the cap to its own length, and a model without scaling leaves it alone."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.model_max_length = 4096
+    scaling = RopeScalingConfig(type="linear", factor=8.0, original_max_position_embeddings=1024)
+    load_model(ModelConfig(preset="tiny-1m", rope_scaling=scaling), tokenizer)
+    assert tokenizer.model_max_length == 8192
+    load_model(ModelConfig(preset="tiny-1m"), tokenizer)
+    assert tokenizer.model_max_length == 8192  # only ever raised
+    short = copy.deepcopy(tiny_tokenizer)
+    short.model_max_length = 4096
+    load_model(ModelConfig(preset="tiny-1m"), short)
+    assert short.model_max_length == 4096

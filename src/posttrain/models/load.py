@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.config import ModelConfig, RuntimeConfig
-from posttrain.models.rope import apply_rope_scaling
+from posttrain.models.rope import apply_rope_scaling, context_length
 from posttrain.models.tiny import build_tiny_model
 from posttrain.models.tokenizer import train_tokenizer
 from posttrain.types import PosttrainError
@@ -110,6 +110,12 @@ def load_model(
             f"model.path: the model has {model.get_input_embeddings().num_embeddings} embeddings but the "
             f"tokenizer has {len(tokenizer)} tokens; use the tokenizer the model was trained with"
         )
+    if config.rope_scaling is not None:
+        # The tokenizer's own cap (the built-in one says 4,096) must not cut what the extended model can take: the
+        # episode loop and eval bound a context by it.
+        extended = context_length(model.config)
+        if extended and (getattr(tokenizer, "model_max_length", 0) or 0) < extended:
+            tokenizer.model_max_length = extended
     set_attention(model, config.attn_implementation, torch.device(device))
     return model.to(device)
 
