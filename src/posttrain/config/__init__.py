@@ -13,6 +13,7 @@ from posttrain.config.common import (
     OptimConfig,
     RuntimeConfig,
     Section,
+    SpeculativeConfig,
     TrackingConfig,
 )
 from posttrain.config.dpo import (
@@ -114,6 +115,7 @@ __all__ = [
     "SFTTrainConfig",
     "ScheduleConfig",
     "Section",
+    "SpeculativeConfig",
     "StreamConfig",
     "TrackingConfig",
     "dump_recipe",

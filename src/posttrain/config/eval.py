@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.common import Section
+from posttrain.config.common import Section, SpeculativeConfig
 from posttrain.config.load import recipe
 from posttrain.config.sft import DataSource
 
@@ -139,6 +139,7 @@ class EvalRuntime(Section):
     # Episode wall time counts generation: on a loaded CPU a batch can outlast a task's timeout_s. A scale > 1
     # keeps queueing from being reported as the model's timeout.
     timeout_scale: float = Field(1.0, gt=0)
+    speculative: SpeculativeConfig = SpeculativeConfig()  # speculative decoding in the engine (docs/tiers.md)
 
 
 class EvalTrainingRun(Section):

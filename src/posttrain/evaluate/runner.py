@@ -57,7 +57,7 @@ class RunStats:
 def load_policy(path: str | Path, runtime: EvalRuntime | None = None) -> Policy:
     """The model and tokenizer of a local Hugging Face directory behind an `HFEngine`."""
     from posttrain.models import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
-    from posttrain.rollout import HFEngine
+    from posttrain.rollout import HFEngine, load_speculation
 
     runtime = runtime or EvalRuntime()
     config = ModelConfig(path=str(path))
@@ -70,8 +70,10 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None) -> Policy:
         raise EvalError(f"checkpoint {path}: {error}") from None
     for parameter in model.parameters():
         parameter.requires_grad_(False)
+    spec = runtime.speculative
     engine = HFEngine(model, tokenizer, device=device, autocast=autocast_dtype(settings, device),
-                      max_batch_size=runtime.batch_size)
+                      max_batch_size=runtime.batch_size,
+                      speculative=load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram))
     return Policy(engine, tokenizer, str(path), device.type)
 
 

@@ -33,6 +33,7 @@ from posttrain.rollout.decoder import DecoderRunner, fast_path_unsupported
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.generic import GenericRunner
 from posttrain.rollout.sampling import Sampler, check_sampling, stream_seed, unseeded
+from posttrain.rollout.speculative import Speculation, Speculator
 from posttrain.rollout.stopping import StopRule, eos_token_ids
 from posttrain.rollout.weights import check_state, copy_state
 from posttrain.types import Completion, GenerationRequest, SamplingParams
@@ -54,6 +55,20 @@ class EngineStats:
     weight_updates: int = 0
     update_s: float = 0.0
     last_update_s: float | None = None
+    # speculative decoding (`posttrain.rollout.speculative`): rounds, tokens drafted, drafts the target accepted
+    speculative_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens (None before any speculative round drafted one)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Completion tokens per second of `generate` calls so far."""
+        return self.completion_tokens / self.generate_s if self.generate_s > 0 else None
 
 
 class _Record:
@@ -114,6 +129,8 @@ class HFEngine:
     OpenMP builds), so a rollout thread and a training thread can split the cores instead of oversubscribing.
     ``compile=True`` runs the fast decoder's decode step under torch.compile (one graph for the whole step,
     dynamic shapes; ~40 s to compile on first use on 2 CPU cores, ~20% less time per step on tiny-3m after).
+    ``speculative`` (a `Speculation`) decodes by speculative rounds: a draft model or prompt lookup proposes
+    tokens, the model verifies them (same output distribution and logprobs; `posttrain.rollout.speculative`).
     """
 
     def __init__(
@@ -129,6 +146,7 @@ class HFEngine:
         runner: Literal["auto", "fast", "generic"] = "auto",
         num_threads: int | None = None,
         compile: bool = False,
+        speculative: Speculation | None = None,
     ):
         if hasattr(model, "peft_config"):
             raise RolloutError(
@@ -157,6 +175,10 @@ class HFEngine:
         self._lock = threading.Lock()
         self.stats = EngineStats()
         self._runner = self._make_runner(runner, compile)
+        self._speculator = None if speculative is None else Speculator(self.model, self.autocast, speculative)
+        if speculative is not None:
+            log.info("HFEngine: speculative decoding (%s, %d tokens per round)", speculative.name or speculative.kind,
+                     speculative.num_tokens)
 
     def _make_runner(self, choice: str, compile: bool) -> DecoderRunner | GenericRunner:
         reason = fast_path_unsupported(self.model)
@@ -217,6 +239,8 @@ class HFEngine:
                                 Completion(ids, text, logprobs, reason, version, requests[index].request_id)
                             )
                 self._runner.release()
+                if self._speculator is not None:
+                    self._speculator.release()
         finally:
             if threads_before is not None:  # a caller training on this thread keeps its own share
                 torch.set_num_threads(threads_before)
@@ -262,10 +286,13 @@ class HFEngine:
         self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
+        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
+        if self._speculator is not None:
+            self._speculate(prompts, row_limits, row_seeds, sampling, record)
+            return record.completions()
         steps = max(row_limits)
         logits = self._runner.prefill(prompts, sampling.n, steps)
         sampler = Sampler(sampling, row_seeds, steps, self.device)
-        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
         for step in range(steps):
             sampled, sampled_logprobs = sampler.sample(logits, step)
@@ -280,10 +307,21 @@ class HFEngine:
                 sampled = sampled[keep]
                 batch = [batch[position] for position in alive]
             logits = self._runner.decode(sampled)
-        self.stats.chunks += 1
-        self.stats.sequences += len(row_limits)
-        self.stats.completion_tokens += sum(len(t) for t in record.tokens)
+        self._count(record)
         return record.completions()
+
+    def _speculate(self, prompts: list[list[int]], row_limits: list[int], row_seeds: list[int],
+                   sampling: SamplingParams, record: _Record) -> None:
+        rounds = self._speculator.run(prompts, sampling.n, row_limits, row_seeds, sampling, record)
+        self.stats.speculative_rounds += rounds.rounds
+        self.stats.draft_tokens += rounds.drafted
+        self.stats.accepted_tokens += rounds.accepted
+        self._count(record)
+
+    def _count(self, record: _Record) -> None:
+        self.stats.chunks += 1
+        self.stats.sequences += len(record.limits)
+        self.stats.completion_tokens += sum(len(t) for t in record.tokens)
 
     # ---- weights ----------------------------------------------------------------------------------------
 
