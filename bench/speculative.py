@@ -1,13 +1,14 @@
 """Decode tokens/s of speculative decoding in the built-in engine against plain decoding, at temperature 0.
 
-    .venv/bin/python bench/speculative.py [--repeats 5] [--num-tokens 4] [--train-steps 80] [--threads 1]
+    .venv/bin/python bench/speculative.py [--repeats 3] [--num-tokens 4] [--train-steps 30] [--draft-steps 120]
 
 Target tiny-30m, draft tiny-3m (and prompt lookup), greedy, one sequence at a time (the latency-bound case
 speculation is for): 8 arithmetic chat prompts, up to 64 new tokens each, run as 8 ``generate`` calls of one
 request. Untrained random models agree on almost nothing, so both are trained first, briefly, on CPU:
 
-* the target: ``--train-steps`` SFT steps on arithmetic chats ("What is a + b?" -> "a + b = c. The answer is c.");
-* the draft: sequence-level distillation -- the same number of steps on the target's own greedy answers to other
+* the target: ``--train-steps`` SFT steps (batch 16) on arithmetic chats ("What is a + b?" -> "a + b = c. The
+  answer is c.");
+* the draft: sequence-level distillation -- ``--draft-steps`` steps on the target's own greedy answers to 256 other
   arithmetic prompts (what a distilled student is), so it agrees with the target where a student would.
 
 Plain, draft-model and prompt-lookup decoding are timed side by side, alternating their order every repeat;
@@ -66,19 +67,19 @@ def sft(model, tokenizer, texts: list[str], steps: int, batch: int = 16, lr: flo
     model.eval()
 
 
-def make_models(tokenizer, steps: int):
+def make_models(tokenizer, steps: int, draft_steps: int):
     rng = random.Random(1)
     pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(16 * steps)]
     target = build_tiny_model("tiny-30m", tokenizer, seed=0)
     sft(target, tokenizer, [chat(tokenizer, f"What is {a} + {b}?", f"{a} + {b} = {a + b}. The answer is {a + b}.")
                             for a, b in pairs], steps)
     # Sequence-level distillation: the draft learns the target's own greedy answers.
-    questions = [f"What is {rng.randint(0, 99)} + {rng.randint(0, 99)}?" for _ in range(128)]
+    questions = [f"What is {rng.randint(0, 99)} + {rng.randint(0, 99)}?" for _ in range(256)]
     teacher = HFEngine(target, tokenizer, max_batch_size=128)
     answers = teacher.generate([GenerationRequest(chat(tokenizer, q)) for q in questions],
                                SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0))
     draft = build_tiny_model("tiny-3m", tokenizer, seed=0)
-    sft(draft, tokenizer, [chat(tokenizer, q, a[0].text) for q, a in zip(questions, answers)], steps)
+    sft(draft, tokenizer, [chat(tokenizer, q, a[0].text) for q, a in zip(questions, answers)], draft_steps)
     return target, draft
 
 
@@ -113,17 +114,18 @@ def pass_costs(target, draft, prompt: list[int], k: int, repeats: int = 30) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per round (k)")
     parser.add_argument("--ngram", type=int, default=3)
-    parser.add_argument("--train-steps", type=int, default=80)
+    parser.add_argument("--train-steps", type=int, default=30)
+    parser.add_argument("--draft-steps", type=int, default=120)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tokenizer = make_tokenizer()
     started = time.perf_counter()
-    target, draft = make_models(tokenizer, args.train_steps)
+    target, draft = make_models(tokenizer, args.train_steps, args.draft_steps)
     train_s = time.perf_counter() - started
     prompts = [chat(tokenizer, f"What is {17 * i + 3} + {29 * i + 11}?") for i in range(PROMPTS)]
     engines = {
@@ -154,7 +156,7 @@ def main() -> None:
     summary = {
         "bench": "speculative",
         "target": "tiny-30m", "draft": "tiny-3m (sequence-distilled from the target)",
-        "train_steps": args.train_steps, "train_s": round(train_s, 1),
+        "train_steps": args.train_steps, "draft_steps": args.draft_steps, "train_s": round(train_s, 1),
         "temperature": 0.0, "num_tokens": args.num_tokens, "ngram": args.ngram,
         "prompts": PROMPTS, "max_new_tokens": NEW_TOKENS, "threads": torch.get_num_threads(),
         "repeats": args.repeats, "tokens": sum(len(o) for o in reference),
