@@ -276,6 +276,7 @@ def test_the_config_switches_it_on_for_rl_eval_and_serve(tmp_path, tokenizer, ta
     from posttrain.config import EvalRuntime, RLRecipe
     from posttrain.evaluate import load_policy
     from posttrain.rl.backend import make_engine
+    from posttrain.rl.trainer import _engine_figures
     from posttrain.serve import load_engine, make_backend
     from posttrain.serve.backends import VLLMBackend
 
@@ -286,6 +287,11 @@ def test_the_config_switches_it_on_for_rl_eval_and_serve(tmp_path, tokenizer, ta
     runtime = type("Runtime", (), {"autocast_dtype": None})()
     rl_engine = make_engine(target, tokenizer, runtime, recipe)
     assert rl_engine._speculator is not None and rl_engine._speculator.k == 3
+    assert _engine_figures(rl_engine) == {}  # nothing drafted yet
+    rl_engine.generate(requests(tokenizer), SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=0))
+    figures = _engine_figures(rl_engine)  # what the RL step logs
+    assert figures["rollout/spec_acceptance"] == rl_engine.stats.acceptance_rate
+    assert figures["rollout/engine_tokens_per_s"] > 0
 
     save_model_dir(tmp_path / "policy", target, tokenizer)
     policy = load_policy(tmp_path / "policy", EvalRuntime(device="cpu", speculative={"draft": "ngram"}))
