@@ -264,7 +264,7 @@ class Speculator:
             uniforms = None
             if generators is not None:
                 uniforms = torch.stack([torch.zeros(2 * k + 1) if d else torch.rand(2 * k + 1, generator=generators[r])
-                                        for r, d in zip(rows, done)])
+                                        for r, d in zip(rows, done)]).to(self.target.device)
             if self.draft is not None:
                 drafts, q, draft_fed = self._draft(sequences, rows, budgets, draft_fed, sampling, uniforms)
             else:
