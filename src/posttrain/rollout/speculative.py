@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.rollout.decoder import DecoderRunner, _layers, _logits, _operand, fast_path_unsupported
+from posttrain.rollout.decoder import DecoderRunner, _layers, _logits, fast_path_unsupported, masked_attention
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.sampling import draw, truncated_weights
 from posttrain.types import SamplingParams
@@ -183,14 +183,7 @@ class BlockRunner:
             self.values[index][row_index, columns] = v.to(dims.attn_dtype).float()
             keys = self.keys[index][:, :upto].permute(0, 2, 3, 1)  # [rows, kv_heads, D, T]
             values = self.values[index][:, :upto].permute(0, 2, 1, 3)  # [rows, kv_heads, T, D]
-            heads, head_dim = q.shape[2], q.shape[3]
-            # [rows, S, H, D] -> [rows, kv_heads, group * S, D]: a group's query heads share their kv head.
-            q = _operand(q, dims).permute(0, 2, 1, 3).reshape(rows, dims.kv_heads, dims.group * width, head_dim)
-            scores = torch.matmul(q, keys).mul_(scaling)
-            scores = scores.view(rows, dims.kv_heads, dims.group, width, upto).masked_fill_(hidden_mask, float("-inf"))
-            weights = torch.softmax(scores.view(rows, dims.kv_heads, -1, upto), dim=-1)
-            out = torch.matmul(weights, values).view(rows, heads, width, head_dim)
-            return out.transpose(1, 2).reshape(rows, width, heads * head_dim).to(dims.attn_dtype)
+            return masked_attention(q, keys, values, hidden_mask, scaling, dims)
 
         x = F.embedding(tokens, base.body.embed_tokens.weight)
         cos, sin = base.cos[columns].unsqueeze(2), base.sin[columns].unsqueeze(2)  # [rows, width, 1, D]
