@@ -16,6 +16,8 @@ figures are medians. All three must give the same tokens (checked). Besides toke
 acceptance rate, the tokens per target pass, and the costs behind the ratio: the draft's forward over the
 target's (one token, batch 1) and a k+1-token verify pass over a one-token pass of the target.
 
+Takes ~10 minutes on a loaded 2-core machine, 4-7 of them training the two models.
+
 Ends with one JSON line; ``"ratio"`` is the best draft-model speculative over plain tokens/s (over the
 ``--num-tokens`` values; prompt lookup runs with the largest).
 """
