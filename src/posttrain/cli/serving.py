@@ -13,6 +13,9 @@ def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                      help="matmul precision (auto: bf16 where the device runs it fast)")
     sub.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
+    sub.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup) or a draft model "
+                     "directory with the same tokenizer (hf engine; requests are then batched per call)")
+    sub.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per speculative round")
     if name == "serve":
         sub.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                          help="hf: the built-in engine with continuous batching; vllm: GPU (untested here)")
@@ -38,7 +41,7 @@ def serve(args: argparse.Namespace) -> int:
     from posttrain.serve import serve as run
 
     options = {"device": args.device, "precision": args.precision, "num_threads": args.threads,
-               "max_batch_size": args.max_batch_size}
+               "max_batch_size": args.max_batch_size, "draft": args.draft, "num_draft_tokens": args.num_draft_tokens}
     if args.engine == "hf":
         backend = make_backend(args.checkpoint, "hf", stream_interval_s=args.stream_interval, **options)
     else:
@@ -53,7 +56,8 @@ def chat(args: argparse.Namespace) -> int:
     from posttrain.serve import load_engine
     from posttrain.serve import ChatSettings, run_chat
 
-    engine = load_engine(args.checkpoint, device=args.device, precision=args.precision, num_threads=args.threads)
+    engine = load_engine(args.checkpoint, device=args.device, precision=args.precision, num_threads=args.threads,
+                         draft=args.draft, num_draft_tokens=args.num_draft_tokens)
     settings = ChatSettings(system=args.system, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed,
                             tools=[t for t in args.tools.split(",") if t])

@@ -14,6 +14,7 @@ from posttrain.config.common import (
     RopeScalingConfig,
     RuntimeConfig,
     Section,
+    SpeculativeConfig,
     TrackingConfig,
 )
 from posttrain.config.distill import DistillLossConfig, DistillRecipe, DistillTasksConfig
@@ -128,6 +129,7 @@ __all__ = [
     "SFTTrainConfig",
     "ScheduleConfig",
     "Section",
+    "SpeculativeConfig",
     "StreamConfig",
     "TrackingConfig",
     "dump_recipe",

@@ -90,6 +90,17 @@ class RuntimeConfig(Section):
     debug: bool = False
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding in the built-in engine (docs/tiers.md): the draft proposes `num_tokens` tokens per
+    round, the model verifies them in one pass; outputs and logprobs stay the model's own."""
+
+    # unset: off. "ngram": prompt lookup (drafts what followed the last n-gram earlier in the sequence); a tiny
+    # preset (an untrained fresh model: tests only); or a model directory whose tokenizer equals the model's
+    draft: str | None = None
+    num_tokens: int = Field(4, gt=0)  # k: tokens drafted per round
+    ngram: int = Field(3, gt=0)  # prompt lookup: the longest n-gram matched
+
+
 class TrackingConfig(Section):
     tensorboard: bool = True
     wandb: bool = False

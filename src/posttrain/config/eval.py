@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.common import Section
+from posttrain.config.common import Section, SpeculativeConfig
 from posttrain.config.load import recipe
 from posttrain.config.sft import DataSource
 
@@ -143,6 +143,7 @@ class EvalRuntime(Section):
     # Episode wall time counts generation: on a loaded CPU a batch can outlast a task's timeout_s. A scale > 1
     # keeps queueing from being reported as the model's timeout.
     timeout_scale: float = Field(1.0, gt=0)
+    speculative: SpeculativeConfig = SpeculativeConfig()  # speculative decoding in the engine (docs/tiers.md)
 
 
 class EvalTrainingRun(Section):
@@ -155,11 +156,13 @@ class EvalTrainingRun(Section):
 class TierEngine(Section):
     """How a tier's engine runs, for its eval episodes and its speed measurement alike.
 
-    `options` are further `HFEngine` keyword arguments: the hook through which an engine feature (speculative
-    decoding's settings, once the engine takes them) becomes a tier without a schema change here. A key the
-    engine does not take is an error naming it."""
+    `speculative` decodes the tier speculatively (a draft model directory or ``ngram``; unset: the runtime's
+    setting). `options` are further `HFEngine` keyword arguments (``kv_cache_dtype``, ...): the hook through
+    which an engine feature becomes a tier without a schema change here. A key the engine does not take is an
+    error naming it."""
 
     runner: Literal["auto", "fast", "generic"] = "auto"
+    speculative: SpeculativeConfig | None = None
     options: dict[str, Any] = {}
 
 

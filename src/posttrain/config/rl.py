@@ -15,6 +15,7 @@ from posttrain.config.common import (
     OptimConfig,
     RuntimeConfig,
     Section,
+    SpeculativeConfig,
     TrackingConfig,
 )
 from posttrain.config.eval import RegressionSuite
@@ -77,6 +78,7 @@ class RolloutConfig(Section):
     infra_retries: int = Field(2, ge=0)  # re-run an episode that failed for infrastructure reasons
     engine_batch_size: int = Field(256, gt=0)  # sequences per engine forward
     engine_threads: int | None = None  # torch threads of the rollout side when overlapping with training
+    speculative: SpeculativeConfig = SpeculativeConfig()  # hf engine only; the draft is not trained along
 
 
 class PolicyLossConfig(Section):
@@ -371,6 +373,9 @@ class RLRecipe(Section):
         if taken:
             raise ValueError(f"rewards: term names {sorted(taken)} are taken by reward/<domain>, reward/mean or "
                              f"reward/pass_rate; give the term another name (name: ...)")
+        if self.rollout.speculative.draft is not None and self.rollout.engine != "hf":
+            raise ValueError("rollout.speculative: speculative decoding is the built-in engine's (rollout.engine: hf); "
+                             "vLLM has its own speculative settings")
         if self.model.path is None and self.rollout.engine == "vllm":
             raise ValueError("rollout.engine: vllm needs model.path (a model directory or hub id); the fresh built-in "
                              "model an RL run builds without one exists only in this process")

@@ -58,7 +58,7 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
     """The model and tokenizer of a local Hugging Face directory behind an `HFEngine` (built with a tier's
     `engine` settings when given: its runner, and `options` as further keyword arguments)."""
     from posttrain.models import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
-    from posttrain.rollout import HFEngine
+    from posttrain.rollout import HFEngine, load_speculation
 
     runtime = runtime or EvalRuntime()
     config = ModelConfig(path=str(path))
@@ -72,12 +72,15 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     engine = engine or TierEngine()
-    reserved = sorted(set(engine.options) & {"device", "autocast", "max_batch_size", "runner"})
+    reserved = sorted(set(engine.options) & {"device", "autocast", "max_batch_size", "runner", "speculative"})
     if reserved:
         raise EvalError(f"checkpoint {path}: engine.options {reserved} are set by the eval runtime / engine.runner")
+    spec = engine.speculative or runtime.speculative
     try:
+        speculative = load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram)
         built = HFEngine(model, tokenizer, device=device, autocast=autocast_dtype(settings, device),
-                         max_batch_size=runtime.batch_size, runner=engine.runner, **engine.options)
+                         max_batch_size=runtime.batch_size, runner=engine.runner, speculative=speculative,
+                         **engine.options)
     except TypeError as error:  # an option this engine does not take
         raise EvalError(f"checkpoint {path}: engine.options: {error}") from None
     return Policy(built, tokenizer, str(path), device.type)

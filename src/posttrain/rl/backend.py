@@ -189,14 +189,16 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_thread
         from posttrain.rollout import VLLMEngine
 
         return VLLMEngine(recipe.model.path, tokenizer=tokenizer)
-    from posttrain.rollout import HFEngine
+    from posttrain.rollout import HFEngine, load_speculation
 
     engine_model = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
     for parameter in engine_model.parameters():
         parameter.requires_grad_(False)
+    spec = recipe.rollout.speculative
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
                     max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads,
-                    compile=recipe.runtime.compile)
+                    compile=recipe.runtime.compile,
+                    speculative=load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram))
 
 
 def make_reference(model, recipe: RLRecipe, runtime: Runtime):

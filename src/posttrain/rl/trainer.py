@@ -396,6 +396,7 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     run.pipeline.publish_weights(step + 1, policy.weights(copy=recipe.pipeline.max_staleness > 0))
     _log_episodes(logs.episodes, batch)
     metrics.update(_batch_figures(batch, step, components, counts))
+    metrics.update(_engine_figures(run.engine))
     metrics["time/step_s"] = time.perf_counter() - began
 
     # guard: the suites every N steps, the collapse alarms every step
@@ -422,6 +423,14 @@ def _returns(run: _Run, trajectories: list[Trajectory]) -> tuple[list[float], di
     if recipe.algorithm.normalize_per_domain:
         returns = normalize_per_domain(returns, [t.domain for t in trajectories])
     return returns, components
+
+
+def _engine_figures(engine: Any) -> dict[str, float]:
+    """The built-in engine's speculative-decoding acceptance and tokens/s since the run started (when it drafts)."""
+    stats = getattr(engine, "stats", None)
+    if getattr(stats, "acceptance_rate", None) is None:
+        return {}
+    return {"rollout/spec_acceptance": stats.acceptance_rate, "rollout/engine_tokens_per_s": stats.tokens_per_s or 0.0}
 
 
 def _batch_figures(batch: RolloutBatch, step: int, components: dict[str, list[float]], counts: dict[str, int]

@@ -193,6 +193,21 @@ def _operand(x: torch.Tensor, dims: _Dims) -> torch.Tensor:
     return x.to(dims.attn_dtype).to(torch.float32)
 
 
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                     scaling: float, dims: _Dims) -> torch.Tensor:
+    """q [B, S, H, D] against keys [B, kv_heads, D, T] and values [B, kv_heads, T, D]; `hidden` (broadcast to
+    [B, kv_heads, group, S, T]) is True where a query must not see a key. Returns [B, S, H * D]."""
+    batch, width, heads, head_dim = q.shape
+    columns = keys.shape[-1]
+    # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
+    q = _operand(q, dims).permute(0, 2, 1, 3).reshape(batch, dims.kv_heads, dims.group * width, head_dim)
+    scores = torch.matmul(q, keys).mul_(scaling)
+    scores = scores.view(batch, dims.kv_heads, dims.group, width, columns).masked_fill_(hidden, float("-inf"))
+    weights = torch.softmax(scores.view(batch, dims.kv_heads, -1, columns), dim=-1)
+    out = torch.matmul(weights, values).view(batch, heads, width, head_dim)
+    return out.transpose(1, 2).reshape(batch, width, heads * head_dim).to(dims.attn_dtype)
+
+
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -401,16 +416,7 @@ class DecoderRunner:
             self.prompt_values[index][start:end] = v.transpose(0, 1).to(dims.attn_dtype)
             keys = _wide(self.prompt_keys[index][:end]).permute(1, 2, 3, 0)  # [B, kv_heads, D, end]
             values = _wide(self.prompt_values[index][:end]).permute(1, 2, 0, 3)  # [B, kv_heads, end, D]
-            batch, _, heads, head_dim = q.shape
-            # [B, S, H, D] -> [B, kv_heads, group * S, D]: a group's query heads share their key/value head.
-            q = _operand(q, dims).permute(0, 2, 1, 3).reshape(batch, dims.kv_heads, dims.group * span, head_dim)
-            scores = torch.matmul(q, keys).mul_(scaling)
-            scores = scores.view(batch, dims.kv_heads, dims.group, span, end).masked_fill_(
-                ~mask[:, :, None], float("-inf")
-            )
-            weights = torch.softmax(scores.view(batch, dims.kv_heads, -1, end), dim=-1)
-            out = torch.matmul(weights, values).view(batch, heads, span, head_dim)
-            return out.transpose(1, 2).reshape(batch, span, heads * head_dim).to(dims.attn_dtype)
+            return masked_attention(q, keys, values, ~mask[:, :, None], scaling, dims)
 
         x = F.embedding(ids[:, start:end], self.body.embed_tokens.weight)
         where = positions[:, start:end]

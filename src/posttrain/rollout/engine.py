@@ -34,6 +34,7 @@ from posttrain.rollout.decoder import PREFILL_CHUNK, DecoderRunner, fast_path_un
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.generic import GenericRunner
 from posttrain.rollout.sampling import Sampler, check_sampling, stream_seed, unseeded
+from posttrain.rollout.speculative import Speculation, Speculator
 from posttrain.rollout.stopping import StopRule, eos_token_ids
 from posttrain.rollout.weights import check_state, copy_state
 from posttrain.types import Completion, GenerationRequest, SamplingParams
@@ -62,6 +63,20 @@ class EngineStats:
     last_update_s: float | None = None
     peak_kv_mb: float = 0.0  # the largest KV cache a chunk held (fast decoder: prompt and generated parts)
     kv_cache_dtype: str = ""  # the storage dtype of the last chunk's KV cache
+    # speculative decoding (`posttrain.rollout.speculative`): rounds, tokens drafted, drafts the target accepted
+    speculative_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens (None before any speculative round drafted one)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Completion tokens per second of `generate` calls so far."""
+        return self.completion_tokens / self.generate_s if self.generate_s > 0 else None
 
 
 class _Record:
@@ -122,6 +137,8 @@ class HFEngine:
     OpenMP builds), so a rollout thread and a training thread can split the cores instead of oversubscribing.
     ``compile=True`` runs the fast decoder's decode step under torch.compile (one graph for the whole step,
     dynamic shapes; ~40 s to compile on first use on 2 CPU cores, ~20% less time per step on tiny-3m after).
+    ``speculative`` (a `Speculation`) decodes by speculative rounds: a draft model or prompt lookup proposes
+    tokens, the model verifies them (same output distribution and logprobs; `posttrain.rollout.speculative`).
     """
 
     def __init__(
@@ -140,6 +157,7 @@ class HFEngine:
         kv_cache_dtype: Literal["auto", "model", "float32"] = "auto",
         kv_widen_limit_mb: float = KV_WIDEN_LIMIT_MB,
         prefill_chunk: int | None = PREFILL_CHUNK,
+        speculative: Speculation | None = None,
     ):
         if hasattr(model, "peft_config"):
             raise RolloutError(
@@ -171,6 +189,10 @@ class HFEngine:
         self.kv_cache_dtype, self.kv_widen_limit_mb = kv_cache_dtype, kv_widen_limit_mb
         self.prefill_chunk = prefill_chunk
         self._runner = self._make_runner(runner, compile)
+        self._speculator = None if speculative is None else Speculator(self.model, self.autocast, speculative)
+        if speculative is not None:
+            log.info("HFEngine: speculative decoding (%s, %d tokens per round)", speculative.name or speculative.kind,
+                     speculative.num_tokens)
 
     def _make_runner(self, choice: str, compile: bool) -> DecoderRunner | GenericRunner:
         reason = fast_path_unsupported(self.model)
@@ -233,6 +255,8 @@ class HFEngine:
                                 Completion(ids, text, logprobs, reason, version, requests[index].request_id)
                             )
                 self._runner.release()
+                if self._speculator is not None:
+                    self._speculator.release()
         finally:
             if threads_before is not None:  # a caller training on this thread keeps its own share
                 torch.set_num_threads(threads_before)
@@ -278,13 +302,16 @@ class HFEngine:
         self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
+        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
+        if self._speculator is not None:
+            self._speculate(prompts, row_limits, row_seeds, sampling, record)
+            return record.completions()
         steps = max(row_limits)
         if isinstance(self._runner, DecoderRunner):
             self._runner.kv_dtype = self._kv_dtype(prompts, len(row_limits), steps)
         logits = self._runner.prefill(prompts, sampling.n, steps)
         self._note_kv_memory()
         sampler = Sampler(sampling, row_seeds, steps, self.device)
-        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
         for step in range(steps):
             sampled, sampled_logprobs = sampler.sample(logits, step)
@@ -300,9 +327,7 @@ class HFEngine:
                 batch = [batch[position] for position in alive]
             logits = self._runner.decode(sampled)
         self._note_kv_memory()  # the generic runner's cache grows as it decodes
-        self.stats.chunks += 1
-        self.stats.sequences += len(row_limits)
-        self.stats.completion_tokens += sum(len(t) for t in record.tokens)
+        self._count(record)
         return record.completions()
 
     def _kv_dtype(self, prompts: list[list[int]], rows: int, steps: int) -> torch.dtype:
@@ -328,6 +353,19 @@ class HFEngine:
         else:
             self.stats.peak_kv_mb = max(self.stats.peak_kv_mb, runner.kv_bytes() / 2**20)
             self.stats.kv_cache_dtype = self.stats.kv_cache_dtype or "model"
+
+    def _speculate(self, prompts: list[list[int]], row_limits: list[int], row_seeds: list[int],
+                   sampling: SamplingParams, record: _Record) -> None:
+        rounds = self._speculator.run(prompts, sampling.n, row_limits, row_seeds, sampling, record)
+        self.stats.speculative_rounds += rounds.rounds
+        self.stats.draft_tokens += rounds.drafted
+        self.stats.accepted_tokens += rounds.accepted
+        self._count(record)
+
+    def _count(self, record: _Record) -> None:
+        self.stats.chunks += 1
+        self.stats.sequences += len(record.limits)
+        self.stats.completion_tokens += sum(len(t) for t in record.tokens)
 
     # ---- weights ----------------------------------------------------------------------------------------
 

@@ -83,17 +83,27 @@ class Sampler:
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _draw(self, logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        weights = logprobs.exp()
-        if 0 < self.top_k < weights.shape[-1]:
-            kth = torch.topk(logprobs, self.top_k, dim=-1).values[:, -1:]
-            weights = weights.masked_fill(logprobs < kth, 0.0)
-        if self.top_p < 1.0:
-            ordered, order = weights.sort(dim=-1, descending=True)
-            cumulative = ordered.cumsum(-1)
-            # Keep a token while the mass strictly before it is under top_p (of the surviving mass).
-            drop = (cumulative - ordered) >= self.top_p * cumulative[:, -1:]
-            weights = weights.scatter(-1, order, ordered.masked_fill(drop, 0.0))
-        cdf = weights.cumsum(-1)
-        tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-        # u * total can round up to total; the first index reaching the total is the last token with mass.
-        return torch.minimum(tokens, cdf.argmax(-1))
+        return draw(truncated_weights(logprobs, self.top_k, self.top_p), uniforms)
+
+
+def truncated_weights(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """exp(logprobs) [rows, vocab], zeroed outside top-k and then outside top-p (of the top-k mass); unnormalised."""
+    weights = logprobs.exp()
+    if 0 < top_k < weights.shape[-1]:
+        kth = torch.topk(logprobs, top_k, dim=-1).values[:, -1:]
+        weights = weights.masked_fill(logprobs < kth, 0.0)
+    if top_p < 1.0:
+        ordered, order = weights.sort(dim=-1, descending=True)
+        cumulative = ordered.cumsum(-1)
+        # Keep a token while the mass strictly before it is under top_p (of the surviving mass).
+        drop = (cumulative - ordered) >= top_p * cumulative[:, -1:]
+        weights = weights.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+    return weights
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row from unnormalised `weights` [rows, vocab] by inverse CDF, u ~ `uniforms` [rows]."""
+    cdf = weights.cumsum(-1)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    # u * total can round up to total; the first index reaching the total is the last token with mass.
+    return torch.minimum(tokens, cdf.argmax(-1))

@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 
 
 def load_engine(checkpoint: str | Path, *, device: str = "auto", precision: str = "auto",
-                max_batch_size: int = 64, num_threads: int | None = None) -> Any:
-    """An `HFEngine` on the Hugging Face directory `checkpoint` (a posttrain checkpoint or any local causal LM)."""
+                max_batch_size: int = 64, num_threads: int | None = None, draft: str | None = None,
+                num_draft_tokens: int = 4, ngram: int = 3) -> Any:
+    """An `HFEngine` on the Hugging Face directory `checkpoint` (a posttrain checkpoint or any local causal LM);
+    `draft` ("ngram", or a model directory with the same tokenizer) turns on speculative decoding."""
     from posttrain.config import ModelConfig, RuntimeConfig
     from posttrain.models import autocast_dtype, load_model, load_tokenizer, resolve_device
-    from posttrain.rollout import HFEngine
+    from posttrain.rollout import HFEngine, load_speculation
 
     path = Path(checkpoint)
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
@@ -46,13 +48,18 @@ def load_engine(checkpoint: str | Path, *, device: str = "auto", precision: str 
     tokenizer = load_tokenizer(config)
     model = load_model(config, tokenizer, target)
     return HFEngine(model, tokenizer, autocast=autocast_dtype(runtime, target), max_batch_size=max_batch_size,
-                    num_threads=num_threads)
+                    num_threads=num_threads,
+                    speculative=load_speculation(draft, tokenizer, num_tokens=num_draft_tokens, ngram=ngram))
 
 
 def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *,
                  stream_interval_s: float = STREAM_INTERVAL_S, **options: Any) -> Any:
     """The backend for ``--engine``: `HFBackend` (continuous batching) or `VLLMBackend` (untested here).
     `stream_interval_s`: the least time between two stream chunks of a request (hf; `HFBackend`)."""
+    if engine == "hf" and options.get("draft"):
+        # Speculative rounds run inside `HFEngine.generate`: requests are batched per call, not continuously.
+        hf_engine = load_engine(checkpoint, **options)
+        return VLLMBackend(hf_engine, hf_engine.max_length)
     if engine == "hf":
         from posttrain.rollout import ContinuousBatcher
 
