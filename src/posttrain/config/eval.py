@@ -151,6 +151,11 @@ class EvalTrainingRun(Section):
 class EvalReport(Section):
     title: str = "posttrain evaluation"
     training_runs: list[EvalTrainingRun] = []
+    # The checkpoint the headline cards describe, and the one they compare it with (labels; default: the last
+    # checkpoint, and the one before the headline one). A pipeline that evaluates a control after its product
+    # names the product here.
+    headline: str | None = None
+    headline_against: str | None = None
     transcripts_per_class: int = Field(3, ge=0)
 
 
@@ -184,4 +189,8 @@ class EvalRecipe(Section):
                   + [s.name for s in self.suites.regression])
         if len(set(suites)) != len(suites):
             raise ValueError(f"suites: names must differ, got {suites} (set `name` on generated suites)")
+        for key in ("headline", "headline_against"):
+            label = getattr(self.report, key)
+            if label is not None and label not in names:
+                raise ValueError(f"report.{key}: '{label}' is not a checkpoint label (labels: {', '.join(names)})")
         return self

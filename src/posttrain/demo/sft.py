@@ -21,7 +21,9 @@ def sft(run: DemoRun) -> dict[str, Any]:
     recipe.runtime.seed = run.recipe.seed
     result = run_sft(recipe, resume=run.resume, evaluate=validation_accuracy(run))
     return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps,
-                          train_loss=round(result.train_loss, 4), tokens_per_s=round(result.tokens_per_s))
+                          stopped_by=result.stopped_by, validation=result.evaluation.get("eval/score"),
+                          train_loss=round(result.train_loss, 4), tokens_per_s=round(result.tokens_per_s),
+                          tokens=result.tokens, tokens_per_step=round(result.tokens / max(result.steps, 1), 2))
 
 
 def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:

@@ -24,7 +24,14 @@ from posttrain.envs.base import (
 )
 from posttrain.envs.calculator import CalculatorError
 from posttrain.envs.calculator import evaluate as evaluate_expression
-from posttrain.envs.episode import rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
+from posttrain.envs.episode import (
+    judging_wall_seconds,
+    rollout_episode,
+    rollout_group,
+    rollout_many,
+    rollout_stats,
+    run_episodes,
+)
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
@@ -63,6 +70,7 @@ __all__ = [
     "evaluate_expression",
     "get_parser",
     "get_tool",
+    "judging_wall_seconds",
     "make_environment",
     "rollout_episode",
     "rollout_group",

@@ -3,7 +3,7 @@
     from posttrain.tasks import get_domain, sample_tasks
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
-Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
+Domains: ``arithmetic``, ``fractions`` (judged by the math verifier), ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
 ``long_doc_qa``, ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use). See docs/tasks.md to add one.
@@ -14,6 +14,7 @@ from posttrain.tasks import calculator as _calculator  # noqa: F401
 from posttrain.tasks import code as _code  # noqa: F401
 from posttrain.tasks import dataset as _dataset  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
+from posttrain.tasks import fractions as _fractions  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
 from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
 from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401

@@ -57,6 +57,7 @@ class SFTResult:
     heldout_loss: float | None
     data_report: dict[str, Any] = field(default_factory=dict)
     stopped_by: str = ""  # "epochs", "max_steps", "early_stopping" or "time_cap"
+    tokens: int = 0  # input tokens trained on (every step's forward and backward)
     evaluation: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures (eval/...)
 
 
@@ -160,6 +161,7 @@ def run_sft(
         heldout_loss=heldout_loss,
         data_report=data.report,
         stopped_by=stopped_by,
+        tokens=cursor.tokens,
         evaluation=dict(last_eval.get("metrics", {})),
     )
 
