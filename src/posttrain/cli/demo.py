@@ -6,9 +6,9 @@ import argparse
 
 from posttrain.config import DemoRecipe, load_recipe
 
-QUICK = [  # `--quick`: a few-minute smoke run of every stage
-    "sft.train.max_minutes=1.5",
-    "rl.train.max_minutes=1.5",  # and so the continued-SFT control
+QUICK = [  # `--quick`: a few-minute smoke run of every stage (budgets in steps, like the full demo)
+    "sft.train.epochs=2",
+    "rl.train.max_steps=20",  # and so the continued-SFT control, which matches RL's compute
     "domains.0.demos=2000",
     "domains.0.heldout=100",
 ]

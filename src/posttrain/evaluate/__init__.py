@@ -20,6 +20,7 @@ from posttrain.evaluate.failures import FAILURE_LABELS, failure_examples, transc
 from posttrain.evaluate.metrics import (
     FAILURE_CLASSES,
     ItemEpisodes,
+    by_level,
     failure_counts,
     outcome_metrics,
     pass_at_k,
@@ -54,6 +55,7 @@ __all__ = [
     "SuiteEvaluator",
     "SuiteScore",
     "build_suites",
+    "by_level",
     "check_contamination",
     "evaluate",
     "exclude_contaminated",
