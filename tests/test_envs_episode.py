@@ -374,8 +374,9 @@ def test_judging_time_is_recorded_and_concurrent_judgements_count_once(tiny_toke
 
     task = sample_tasks(get_domain("code"), 1, level=1, seed=2)[0]
     started = time.monotonic()
-    trajectory = run(ScriptedEngine(tiny_tokenizer, [f"```python\n{task.metadata['solution']}\n```{END}"]), task,
-                     tiny_tokenizer)
+    answer = f"```python\n{task.metadata['solution']}\n```{END}"
+    trajectory = run(ScriptedEngine(tiny_tokenizer, [answer]), task, tiny_tokenizer,
+                     sampling=SamplingParams(max_new_tokens=1024, temperature=0.0))
     assert trajectory.reward.passed  # judged in the sandbox
     start, end = trajectory.metadata["judge_window"]
     assert started <= start < end <= time.monotonic() and trajectory.metadata["judge_s"] == pytest.approx(end - start)
