@@ -15,7 +15,7 @@ import random
 from fractions import Fraction
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, task_id
+from posttrain.tasks.base import TaskError, demo_sample, domain, task_id, user_messages
 from posttrain.types import Task
 
 
@@ -37,14 +37,11 @@ class Fractions:
         a, c = rng.randint(1, b - 1), rng.randint(1, d - 1)
         problem = f"{a}/{b}+{c}/{d}"
         answer = _text(Fraction(a, b) + Fraction(c, d))
-        messages = [{"role": "user", "content": problem}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Task(
             id=task_id(self.name, problem),
             domain=self.name,
             difficulty=level,
-            messages=messages,
+            messages=user_messages(problem, self.system_prompt),
             verifier="math",
             verifier_args={"reference": answer},
             max_steps=1,
