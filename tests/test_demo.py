@@ -91,3 +91,86 @@ def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     again = run_demo(recipe, resume=True)  # every stage finished: nothing runs twice
     assert again == summary
+
+
+def code_recipe(tmp_path, name: str, extra: list[str] | None = None) -> DemoRecipe:
+    """A toy demo with the code domain (sandboxed function cases) and fractions (the math verifier)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""\
+stage: demo
+output_dir: {tmp_path / name}
+seed: 3
+preset: tiny-1m
+vocab_size: 400
+stages: [sft, rl, sft_control]
+domains:
+  - {{name: code, sft_levels: [1], demos: 40, heldout_levels: [1], heldout: 12, validation: 4}}
+  - {{name: fractions, sft_levels: [1], demos: 60, heldout_levels: [1], heldout: 10, validation: 4}}
+sft:
+  data: {{max_length: 256}}
+  optim: {{lr: 2.0e-3, warmup_steps: 2}}
+  train: {{batch_size: 8, epochs: 1, max_minutes: 30, log_every: 3, eval_every: 4}}
+  runtime: {{num_threads: 1}}
+rl:
+  domains:
+    - {{name: code, levels: [1], heldout: 0}}
+    - {{name: fractions, levels: [1], heldout: 0}}
+  rollout: {{prompts_per_step: 2, sampling: {{group_size: 2, max_new_tokens: 16}}}}
+  train: {{max_steps: 2, max_minutes: 30, micro_batch_size: 8}}
+  runtime: {{num_threads: 1}}
+eval: {{max_new_tokens: 16, batch_size: 32, pass_k_samples: 2, pass_k: [2]}}
+""")
+    return load_recipe(path, extra or [], DemoRecipe)
+
+
+def test_code_and_fractions_data_never_share_a_problem_between_train_and_heldout(tmp_path):
+    run_demo(code_recipe(tmp_path, "hygiene", ["stages=[]", "domains.0.demos=300", "domains.0.sft_levels=[1, 2]",
+                                               "domains.0.heldout_levels=[1, 2]", "domains.0.heldout=60",
+                                               "domains.0.validation=20"]))
+    data = tmp_path / "hygiene" / "data"
+    demos = read_jsonl(data / "sft_train.jsonl")
+    for name in ("code", "fractions"):
+        trained = [d for d in demos if d["metadata"]["domain"] == name]
+        prompts = {next(m["content"] for m in d["messages"] if m["role"] == "user") for d in trained}
+        test, validation = read_jsonl(data / f"heldout_{name}.jsonl"), read_jsonl(data / f"validation_{name}.jsonl")
+        keys = {t["metadata"]["problem_key"] for t in test}
+        assert trained and test and validation, name
+        assert all(t["metadata"]["split"] == "heldout" for t in test + validation), name
+        assert not keys & {t["metadata"]["problem_key"] for t in validation}, name
+        # a problem is its family and parameters (code) or its two fractions: the same problem drawn twice with
+        # other example cases still has the same key, so keys, not prompts, are what must not cross
+        assert not {t["messages"][-1]["content"] for t in test + validation} & prompts, name
+    code_test = read_jsonl(data / "heldout_code.jsonl")
+    assert len(code_test) == 60 and {t["difficulty"] for t in code_test} == {1, 2}
+    from posttrain.tasks import get_domain, split_of
+
+    code = get_domain("code")
+    for demo in (d for d in demos if d["metadata"]["domain"] == "code"):
+        # every demonstration's problem hashes to the train split: none is a held-out problem
+        prompt = next(m["content"] for m in demo["messages"] if m["role"] == "user")
+        assert not any(prompt == t["messages"][-1]["content"] for t in code_test)
+    assert code.max_level == 3 and split_of(code_test[0]["metadata"]["problem_key"]) == "heldout"
+
+
+def test_a_fixed_seed_gives_the_same_steps_and_figures_twice(tmp_path):
+    first = run_demo(code_recipe(tmp_path, "one"))["stages"]
+    second = run_demo(code_recipe(tmp_path, "two"))["stages"]
+
+    def figures(stages):  # everything but wall times (and the machine's speed in tokens/s)
+        drop = {"seconds", "tokens_per_s", "judging"}
+        return {stage: {k: v for k, v in values.items() if k not in drop} for stage, values in stages.items()}
+
+    assert figures(first) == figures(second)
+    sft, rl, control = first["sft"], first["rl"], first["sft_control"]
+    assert sft["stopped_by"] == "epochs" and rl["stopped_by"] == "steps" and rl["steps"] == 2
+    assert set(rl["heldout"]) == {"code", "fractions"}
+    assert set(sft["pass_at_k_by_level"]["code"]["1"]) == {"pass@1", "pass@2"}
+    # the control: as many SFT steps as make up RL's FLOPs (sampling 2N, training 6N per token) at SFT's tokens/step
+    compute = rl["compute"]
+    assert compute["sampled_tokens"] > 0 and compute["trained_tokens"] >= 0
+    assert compute["train_token_equivalents"] == round(compute["sampled_tokens"] / 3 + compute["trained_tokens"])
+    assert control["steps"] == max(1, -(-compute["train_token_equivalents"] // sft["tokens_per_step"]))
+    assert control["compute"]["matched"] == compute["train_token_equivalents"]
+    assert control["compute"]["trained_tokens"] >= compute["train_token_equivalents"] * 0.5
+    # code is judged in the sandbox: its share of RL's step time is measured (wall time, a share in [0, 1])
+    assert 0.0 < rl["judging"]["share"]["code"] <= rl["judging"]["share"]["all"] <= 1.0

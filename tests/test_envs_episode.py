@@ -366,3 +366,27 @@ def test_template_with_text_after_end_of_turn(tiny_tokenizer, calc_task):
     assert tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + "\n" == rendered
     observation = [i for i, m in enumerate(trajectory.loss_mask) if not m and i >= trajectory.prompt_length]
     assert tokenizer.decode([trajectory.token_ids[i] for i in observation]).startswith("\n<|tool|>")
+
+
+def test_judging_time_is_recorded_and_concurrent_judgements_count_once(tiny_tokenizer):
+    from posttrain.envs import judging_wall_seconds
+    from posttrain.types import Reward, Trajectory
+
+    task = sample_tasks(get_domain("code"), 1, level=1, seed=2)[0]
+    started = time.monotonic()
+    answer = f"```python\n{task.metadata['solution']}\n```{END}"
+    trajectory = run(ScriptedEngine(tiny_tokenizer, [answer]), task, tiny_tokenizer,
+                     sampling=SamplingParams(max_new_tokens=1024, temperature=0.0))
+    assert trajectory.reward.passed  # judged in the sandbox
+    start, end = trajectory.metadata["judge_window"]
+    assert started <= start < end <= time.monotonic() and trajectory.metadata["judge_s"] == pytest.approx(end - start)
+
+    def judged(*window):
+        return Trajectory("t", "code", [], [], [], [], 0, Reward(score=0.0, passed=False),
+                          metadata={"judge_window": list(window)})
+
+    # [0, 2] and [1, 3] overlap (3 s of wall time, not 4), [5, 6] stands alone, one episode was never judged
+    batch = [judged(1.0, 3.0), judged(5.0, 6.0), judged(0.0, 2.0), judged(1.5, 2.5),
+             Trajectory("u", "code", [], [], [], [], 0, Reward(score=0.0, passed=False))]
+    assert judging_wall_seconds(batch) == pytest.approx(4.0)
+    assert judging_wall_seconds([]) == 0.0

@@ -86,3 +86,39 @@ def test_chromium_renders_the_tables_and_plots(report, tmp_path):
     colors = image.getcolors(maxcolors=1 << 20)
     assert colors is not None and len(colors) > 200  # text, charts and the header gradient, not a blank page
     assert max(count for count, _ in colors) < 0.8 * image.size[0] * image.size[1]
+
+
+def summary_section(html: str) -> str:
+    return html.split('<section id="summary">', 1)[1].split("</section>", 1)[0]
+
+
+def test_headline_cards_describe_the_named_checkpoint_not_the_last_evaluated(report):
+    results = json.loads(report.results_path.read_text())
+    assert results["headline"] == {"checkpoint": "rl", "against": "sft"}  # the default: the last, vs the one before
+    sft = results["metrics"]["sft"]["arithmetic"]["overall"]["pass@1"]
+    rl = results["metrics"]["rl"]["arithmetic"]["overall"]["pass@1"]
+    assert sft != rl
+
+    def held_out_card(html: str) -> str:
+        return summary_section(html).split('<div class="k">held-out pass@1</div><div class="v">', 1)[1].split("<")[0]
+
+    # A pipeline that evaluates a control after its product (the demo: sft, rl, then sft_control) names the
+    # product: the cards then show it, compared with what it is compared against, whatever was evaluated last.
+    results["headline"] = {"checkpoint": "sft", "against": None}
+    html = render_report(results)
+    assert "Figures of the headline checkpoint, <b>sft</b>." in summary_section(html)
+    capability = [s["name"] for s in results["suites"] if s["kind"] == "heldout" and s["name"] != "safety"]
+    assert capability == ["arithmetic"]
+    assert held_out_card(html) == f"{sft * 100:.1f}%" and held_out_card(report.report_path.read_text()) == \
+        f"{rl * 100:.1f}%"
+    assert "failed episodes</div><div class=\"v\">" in summary_section(html)
+    assert "sft, every suite" in summary_section(html)
+
+
+def test_a_headline_label_that_names_no_checkpoint_is_a_config_error():
+    from pydantic import ValidationError
+
+    from posttrain.config import EvalRecipe
+
+    with pytest.raises(ValidationError, match=r"report.headline: 'rl' is not a checkpoint label"):
+        EvalRecipe.model_validate({"checkpoints": ["runs/sft/final"], "report": {"headline": "rl"}})

@@ -139,3 +139,16 @@ def test_self_test_catches_weights_that_never_reached_the_engine(policy_dir, tin
             parameter.add_(0.05 * torch.randn_like(parameter))  # the trainer moved on; the engine was never told
     with pytest.raises(SelfTestError, match="not running the trainer's policy"):
         engine_trainer_self_test(engine, model, tiny_tokenizer, tasks, runtime, temperature=1.0, max_new_tokens=6)
+
+
+def test_steps_are_the_budget_and_the_time_cap_warns_when_it_cuts_a_run(policy_dir, tmp_path, capsys):
+    full = run_rl(recipe(policy_dir, tmp_path / "full"))
+    assert full.stopped_by == "steps" and full.steps == 4
+    # the step's compute, counted for the demo's compute-matched control: every sampled token, every trained one
+    assert all(m["tokens/sampled"] >= m["tokens/trained"] > 0 for m in full.history)
+    assert all(0.0 <= m["time/judge_s"] <= m["time/step_s"] for m in full.history)
+    capped = recipe(policy_dir, tmp_path / "capped")
+    capped.train.max_minutes = 1e-6
+    result = run_rl(capped)
+    assert result.stopped_by == "time_cap" and result.steps == 1
+    assert "WARNING: the time cap of 1e-06 min cut training short at step 1 of 4" in capsys.readouterr().err

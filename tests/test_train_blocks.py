@@ -98,17 +98,21 @@ def test_the_loop_rolls_epochs_logs_window_means_and_saves(tmp_path):
     assert tracker.logged[1][1]["train/epoch"] == pytest.approx(2.0)
 
 
-def test_the_loop_stops_on_the_time_budget_and_on_evaluate():
+def test_the_loop_stops_on_the_time_budget_and_on_evaluate_and_says_which():
     cursor = Cursor(train_seconds=61.0)
     figures = StepFigures(loss=1.0, grad_norm=0.0, weight=1, tokens=1)
     train_loop("test", _Train(max_minutes=1.0), cursor, 5, epoch_items=lambda e: [0, 1, 2], step=lambda _: figures,
                scheduler=_Scheduler(), tracker=_Tracker(), save=lambda: None)
-    assert cursor.step == 0
+    assert cursor.step == 0 and cursor.stopped_by == "time_cap"
     cursor = Cursor()
     calls = iter([False, True])
     train_loop("test", _Train(eval_every=1), cursor, 5, epoch_items=lambda e: [0, 1, 2], step=lambda _: figures,
                scheduler=_Scheduler(), tracker=_Tracker(), save=lambda: None, evaluate=lambda: next(calls))
-    assert cursor.step == 2
+    assert cursor.step == 2 and cursor.stopped_by == "early_stopping"
+    cursor = Cursor()
+    train_loop("test", _Train(max_minutes=60.0), cursor, 5, epoch_items=lambda e: [0, 1, 2], step=lambda _: figures,
+               scheduler=_Scheduler(), tracker=_Tracker(), save=lambda: None)
+    assert cursor.step == 5 and cursor.stopped_by == "steps"
 
 
 def _train_two_steps(model, optimizer, scheduler):

@@ -7,10 +7,10 @@ import argparse
 
 from posttrain.config import DemoRecipe, load_recipe
 
-QUICK = [  # `--quick`: a few-minute smoke run of every stage
-    "sft.train.max_minutes=1.5",
-    "rl.train.max_minutes=1.5",  # and so the continued-SFT control
-    "distill.train.max_minutes=1.5",
+QUICK = [  # `--quick`: a few-minute smoke run of every stage (budgets in steps, like the full demo)
+    "sft.train.epochs=2",
+    "rl.train.max_steps=20",  # and so the continued-SFT control, which matches RL's compute
+    "distill.train.max_steps=20",
     "domains.0.demos=2000",
     "domains.0.heldout=100",
 ]

@@ -59,6 +59,18 @@ class DemoPairs(Section):
 class DemoEval(Section):
     max_new_tokens: int = Field(96, gt=0)
     batch_size: int = Field(64, gt=0)
+    # pass@1 and pass@k per level from `pass_k_samples` sampled episodes per held-out item of these domains
+    pass_k_domains: list[str] = ["code"]
+    pass_k_samples: int = Field(0, ge=0)  # 0: greedy pass@1 only
+    pass_k: list[int] = [4]
+    temperature: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _k_fits(self):
+        if self.pass_k_samples and any(not 1 <= k <= self.pass_k_samples for k in self.pass_k):
+            raise ValueError(f"eval.pass_k: every k must be in 1..pass_k_samples ({self.pass_k_samples}), "
+                             f"got {self.pass_k}")
+        return self
 
 
 @recipe("demo")

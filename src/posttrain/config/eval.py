@@ -191,6 +191,11 @@ class EvalTiers(Section):
 class EvalReport(Section):
     title: str = "posttrain evaluation"
     training_runs: list[EvalTrainingRun] = []
+    # The checkpoint the headline cards describe, and the one they compare it with (labels; default: the last
+    # checkpoint, and the one before the headline one). A pipeline that evaluates a control after its product
+    # names the product here.
+    headline: str | None = None
+    headline_against: str | None = None
     transcripts_per_class: int = Field(3, ge=0)
 
 
@@ -229,4 +234,8 @@ class EvalRecipe(Section):
             raise ValueError(f"suites: names must differ, got {suites} (set `name` on generated suites)")
         if self.tiers.suite is not None and self.tiers.suite not in suites:
             raise ValueError(f"tiers.suite: no suite named {self.tiers.suite!r} (suites: {suites})")
+        for key in ("headline", "headline_against"):
+            label = getattr(self.report, key)
+            if label is not None and label not in names:
+                raise ValueError(f"report.{key}: '{label}' is not a checkpoint label (labels: {', '.join(names)})")
         return self

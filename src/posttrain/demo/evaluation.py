@@ -43,3 +43,26 @@ def accuracy_by_level(trajectories: Sequence[Trajectory]) -> dict[str, dict[str,
         passed[trajectory.domain][str(trajectory.difficulty)].append(bool(trajectory.reward.passed))
     return {domain: {level: round(sum(v) / len(v), 4) for level, v in sorted(levels.items())}
             for domain, levels in sorted(passed.items())}
+
+
+def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Sequence[int], max_new_tokens: int,
+                      temperature: float, seed: int, batch_size: int = 64, device: str = "cpu"
+                      ) -> dict[str, dict[str, dict[str, float | None]]]:
+    """pass@1 and pass@k (unbiased, from `n` sampled episodes per item at `temperature`) per domain and level:
+    {"code": {"1": {"pass@1": 0.31, "pass@4": 0.55}}}."""
+    from posttrain.config import EvalRuntime, EvalSampling
+    from posttrain.evaluate import ItemEpisodes, by_level, load_policy, run_items
+
+    if not tasks:
+        return {}
+    runtime = EvalRuntime(device=device, batch_size=batch_size)
+    sampling = EvalSampling(max_new_tokens=max_new_tokens, greedy=False, n=n, k=sorted({1, *ks}),
+                            temperature=temperature, seed=seed)
+    items, _ = run_items(load_policy(model_dir, runtime), list(tasks), sampling, runtime)
+    by_domain: dict[str, list[ItemEpisodes]] = defaultdict(list)
+    for item in items:
+        by_domain[item.task.domain].append(item)
+    wanted = [f"pass@{k}" for k in sorted({1, *ks})]
+    return {domain: {level: {key: figures.get(key) for key in wanted}
+                     for level, figures in by_level(group, ks).items()}
+            for domain, group in sorted(by_domain.items())}

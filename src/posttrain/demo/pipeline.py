@@ -117,6 +117,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row(stage, *[f"{v:.1%}" if v is not None else "-" for v in values], f"{mean:.1%}",
                       f"{figures.get('seconds', 0):.0f}")
     console.print(table)
+    from posttrain.demo.summary import print_details
+
+    print_details(summary)
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -1,7 +1,7 @@
 """Demo stage `report`: every stage's checkpoint on the demo's suites, side by side, in runs/demo/report.html.
 
 The checkpoints are ``runs/demo/<stage>/final`` for each finished stage that has one (sft, dpo, rl ...), in the
-order they ran. The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
+order they ran; the headline cards describe the delivered model (RL's checkpoint) against SFT. The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
 of the same size from the same held-out split (new seed), and the safety domain (generated here when the demo
 does not train on it). The contamination check runs against the SFT demonstrations, any preference pairs in
 the data directory and the RL runs' episodes; the training curves come from each stage's metrics.jsonl.
@@ -56,8 +56,19 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
         "contamination": {"sft": sft, "preferences": [{"path": p} for p in pairs], "rl_episodes": episodes},
         "fresh_draw": {"seed": run.recipe.seed + 7919},
         "runtime": {"batch_size": run.recipe.eval.batch_size, "timeout_scale": TIMEOUT_SCALE},
-        "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves},
+        "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves,
+                   **delivered_headline(run, stages)},
     })
+
+
+def delivered_headline(run: DemoRun, stages: list[str]) -> dict[str, str]:
+    """The headline cards describe the model the demo delivers (RL's checkpoint, else DPO's, else SFT's) against
+    SFT, not whichever checkpoint is evaluated last (the continued-SFT control)."""
+    delivered, _ = run.latest_policy(("rl", "dpo", "sft"))
+    if delivered not in stages:
+        return {}
+    against = "sft" if "sft" in stages and delivered != "sft" else None
+    return {"headline": delivered, **({"headline_against": against} if against else {})}
 
 
 def demo_suites(run: DemoRun, fresh_seed: int) -> list:
@@ -91,6 +102,7 @@ def summary_figures(results: dict[str, Any], stages: list[str], report_path: str
         "safety": {stage: {suite: figures["safety"] for suite, figures in metrics[stage].items() if "safety" in figures}
                    for stage in stages},
         "fresh_gap": {f'{row["checkpoint"]}/{row["group"]}': row["gap"] for row in results["fresh_gap"]},
+        "headline": results.get("headline"),
         "contaminated_items": results["contamination"]["count"],
         "eval_seconds": results["seconds"],
         "items_per_s": {c["label"]: c["items_per_s"] for c in results["checkpoints"]},

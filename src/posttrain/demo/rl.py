@@ -1,14 +1,23 @@
 """Demo stages `rl` and `sft_control`: RL on fresh verifiable tasks, and the honest control for it.
 
 `rl` starts from the newest trained model (after DPO when that stage ran, else after SFT) and trains on
-tasks generated fresh every step and scored by the domains' verifiers — no demonstrations. Domains that measure
-lengths in tokens get the policy's tokenizer. `sft_control`
-continues SFT from the SFT checkpoint on the *same* demonstrations for the same wall time the RL stage took,
-at the learning rate SFT ended with: if RL's gain were only "more training", the control would match it.
+tasks generated fresh every step and scored by the domains' verifiers — no demonstrations — for
+`rl.train.max_steps` steps. Domains that measure lengths in tokens get the policy's tokenizer. `sft_control`
+continues SFT from the SFT checkpoint on the *same* demonstrations, at the learning rate SFT ended with, for the
+same training compute as RL: if RL's gain were only "more training", the control would match it.
+
+The compute is counted in FLOPs, the usual 2N per token through a forward and 6N per token through a forward
+and a backward (N parameters, attention ignored; the model is the same, so N cancels): RL spends 2N on every
+token the engine sampled or read (every episode of every group, the filtered ones too) and 6N on every token of
+the trajectories it trained on, and of the forgetting guard's replayed demonstrations; the control gets as many
+SFT steps as make up that many forward-and-backward tokens, at the tokens per step SFT itself took. Both are
+counts of a seeded run, so the control's steps are the same on every machine; the minutes in the recipe are
+only a safety cap (it warns when it cuts a stage short).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from posttrain.demo.base import SFT_FILE, counts_tokens
@@ -31,19 +40,44 @@ def rl(run: DemoRun) -> dict[str, Any]:
     result = run_rl(recipe, resume=run.resume)
     last = result.history[-1] if result.history else {}
     return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps, started_from=started_from,
-                          final_train_reward=round(last.get("reward/mean", 0.0), 4),
-                          curriculum=result.curriculum, mix_trained=result.mix_trained)
+                          stopped_by=result.stopped_by, final_train_reward=round(last.get("reward/mean", 0.0), 4),
+                          curriculum=result.curriculum, mix_trained=result.mix_trained,
+                          compute=rl_compute(result.history), judging=judging_share(result.history))
+
+
+def rl_compute(history: list[dict[str, float]]) -> dict[str, float]:
+    """RL's compute over the run, in tokens: sampled (one forward each), trained (forward and backward: the
+    policy's trajectories and the guard's replayed demonstrations), and the total as forward-and-backward token
+    equivalents (2N + 6N per token -> tokens x 2/6 + tokens)."""
+    sampled = sum(m.get("tokens/sampled", 0.0) for m in history)
+    trained = sum(m.get("tokens/trained", 0.0) + m.get("guard/replay_tokens", 0.0) for m in history)
+    return {"sampled_tokens": int(sampled), "trained_tokens": int(trained),
+            "train_token_equivalents": int(round(sampled * 2 / 6 + trained))}
+
+
+def judging_share(history: list[dict[str, float]]) -> dict[str, float]:
+    """The share of RL's step time its verifiers were busy (wall time, concurrent judgements counted once),
+    over all domains and per domain: for `code`, the sandbox's share of the step."""
+    step_s = sum(m.get("time/step_s", 0.0) for m in history)
+    keys = sorted({k for m in history for k in m if k.startswith("time/judge_s")})
+    shares = {}
+    for key in keys:
+        name = key.removeprefix("time/judge_s").removeprefix("/") or "all"
+        shares[name] = round(sum(m.get(key, 0.0) for m in history) / step_s, 4) if step_s else 0.0
+    return {"step_seconds": round(step_s, 1), "share": shares}
 
 
 @demo_stage("sft_control")
 def sft_control(run: DemoRun) -> dict[str, Any]:
     from posttrain.train import run_sft
 
-    rl_seconds = run.summary["stages"].get("rl", {}).get("seconds")
-    if rl_seconds is None:
+    rl_compute_figures = run.summary["stages"].get("rl", {}).get("compute")
+    sft_figures = run.summary["stages"].get("sft", {})
+    if rl_compute_figures is None or not sft_figures.get("tokens_per_step"):
         from posttrain.types import PosttrainError
 
-        raise PosttrainError("demo: sft_control matches the RL stage's wall time; put it after 'rl' in stages")
+        raise PosttrainError("demo: sft_control matches the RL stage's compute; put it after 'sft' and 'rl' in stages")
+    steps = control_steps(rl_compute_figures["train_token_equivalents"], sft_figures["tokens_per_step"])
     recipe = run.recipe.sft.model_copy(deep=True)
     recipe.output_dir = str(run.root / "sft_control")
     recipe.model.path = str(run.model_after("sft"))
@@ -51,7 +85,16 @@ def sft_control(run: DemoRun) -> dict[str, Any]:
     recipe.runtime.seed = run.recipe.seed + 1  # a new epoch order, not a replay of SFT's
     recipe.optim.lr = recipe.optim.lr * recipe.optim.min_lr_ratio  # where SFT's schedule ended
     recipe.optim.schedule, recipe.optim.warmup_steps = "constant", 0
-    recipe.train.max_steps, recipe.train.epochs = None, 1000.0
-    recipe.train.max_minutes = rl_seconds / 60
+    recipe.train.max_steps = steps
+    recipe.train.eval_every = None  # no early stopping: the control gets all of RL's compute
+    recipe.train.max_minutes = run.recipe.rl.train.max_minutes  # the same safety cap as RL
     result = run_sft(recipe, resume=run.resume)
-    return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps)
+    return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps,
+                          stopped_by=result.stopped_by,
+                          compute={"trained_tokens": result.tokens, "train_token_equivalents": result.tokens,
+                                   "matched": rl_compute_figures["train_token_equivalents"]})
+
+
+def control_steps(train_token_equivalents: float, tokens_per_step: float) -> int:
+    """SFT steps that make up RL's compute at SFT's own tokens per step (at least one)."""
+    return max(1, math.ceil(train_token_equivalents / tokens_per_step))

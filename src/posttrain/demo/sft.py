@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from posttrain.demo.base import SFT_FILE, load_heldout, load_validation
-from posttrain.demo.evaluation import accuracy_by_level, heldout_accuracy, policy_accuracy
+from posttrain.demo.evaluation import accuracy_by_level, heldout_accuracy, policy_accuracy, sampled_pass_at_k
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 
 
@@ -21,7 +21,9 @@ def sft(run: DemoRun) -> dict[str, Any]:
     recipe.runtime.seed = run.recipe.seed
     result = run_sft(recipe, resume=run.resume, evaluate=validation_accuracy(run))
     return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps,
-                          train_loss=round(result.train_loss, 4), tokens_per_s=round(result.tokens_per_s))
+                          stopped_by=result.stopped_by, validation=result.evaluation.get("eval/score"),
+                          train_loss=round(result.train_loss, 4), tokens_per_s=round(result.tokens_per_s),
+                          tokens=result.tokens, tokens_per_step=round(result.tokens / max(result.steps, 1), 2))
 
 
 def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
@@ -31,6 +33,12 @@ def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
                                               batch_size=run.recipe.eval.batch_size)
     if "seconds" in figures:
         figures["seconds"] = round(figures["seconds"], 1)
+    settings = run.recipe.eval
+    sampled = [task for task in load_heldout(run) if task.domain in settings.pass_k_domains]
+    if settings.pass_k_samples and sampled:
+        figures["pass_at_k_by_level"] = sampled_pass_at_k(
+            model_dir, sampled, n=settings.pass_k_samples, ks=settings.pass_k, max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature, seed=run.recipe.seed, batch_size=settings.batch_size)
     return {"heldout": accuracy, "heldout_by_level": accuracy_by_level(trajectories), **figures}
 
 

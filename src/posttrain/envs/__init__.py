@@ -34,7 +34,15 @@ from posttrain.envs.calculator import evaluate as evaluate_expression
 from posttrain.envs.external import env_reward, guarded, observation_text
 from posttrain.envs.gym_env import GymTextEnv
 from posttrain.envs.openenv_env import OpenEnvEnv
-from posttrain.envs.episode import process_reward, rollout_episode, rollout_group, rollout_many, rollout_stats, run_episodes
+from posttrain.envs.episode import (
+    judging_wall_seconds,
+    process_reward,
+    rollout_episode,
+    rollout_group,
+    rollout_many,
+    rollout_stats,
+    run_episodes,
+)
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
@@ -83,6 +91,7 @@ __all__ = [
     "get_parser",
     "get_tool",
     "guarded",
+    "judging_wall_seconds",
     "make_environment",
     "observation_text",
     "process_reward",

@@ -75,6 +75,7 @@ class _Episode:
     metadata: dict[str, Any] = field(default_factory=dict)  # an environment's own report (agents: calls, segments)
     pending_infra: _Infra | None = None  # a driven episode that failed after its tokens were recorded
     step_rewards: list[float | None] = field(default_factory=list)  # per step: the env's ``step_reward``, if any
+    judged: tuple[float, float] | None = None  # the verifier's (start, end) on the monotonic clock
 
 
 async def rollout_episode(
@@ -177,6 +178,18 @@ def rollout_stats(trajectories: Iterable[Trajectory]) -> dict[str, Any]:
     }
 
 
+def judging_wall_seconds(trajectories: Iterable[Trajectory]) -> float:
+    """Wall seconds during which at least one of `trajectories` was being judged (the union of their verifier
+    windows: concurrent judgements count once), for the share of a step spent waiting on verifiers."""
+    windows = sorted(tuple(t.metadata["judge_window"]) for t in trajectories if t.metadata.get("judge_window"))
+    total, end = 0.0, float("-inf")
+    for start, stop in windows:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 # --------------------------------------------------------------------------------------------------
 # One attempt
 # --------------------------------------------------------------------------------------------------
@@ -202,7 +215,9 @@ async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_t
         if episode.pending_infra is not None:
             raise episode.pending_infra
         final_state = {**env.final_state(), "messages": tokens.messages, "trajectory_steps": episode.steps}
+        judging = time.monotonic()
         reward = await _verify(task, final_state)
+        episode.judged = (judging, time.monotonic())
     except _Infra as error:
         failure = error
     except ToolInfraError as error:
@@ -352,6 +367,11 @@ def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, epi
     }
     if episode.metadata:
         metadata["agent"] = dict(episode.metadata)
+    if episode.judged is not None:
+        # How long the verifier (a sandbox, for code) took, and when on this process's monotonic clock: a batch's
+        # judging wall time is the union of its episodes' windows (`posttrain.envs.judging_wall_seconds`).
+        metadata["judge_s"] = episode.judged[1] - episode.judged[0]
+        metadata["judge_window"] = list(episode.judged)
     if reward.is_infrastructure_failure:
         # Belt and braces: a trainer that forgets to mask infrastructure failures still trains on nothing.
         metadata["policy_tokens_before_masking"] = sum(mask)

@@ -21,6 +21,7 @@ from posttrain.evaluate.failures import FAILURE_LABELS, failure_examples, transc
 from posttrain.evaluate.metrics import (
     FAILURE_CLASSES,
     ItemEpisodes,
+    by_level,
     failure_counts,
     length_depth_metrics,
     outcome_metrics,
@@ -58,6 +59,7 @@ __all__ = [
     "SuiteScore",
     "TierSpeed",
     "build_suites",
+    "by_level",
     "check_contamination",
     "evaluate",
     "exclude_contaminated",

@@ -97,6 +97,7 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
     results = {
         "format": FORMAT,
         "title": recipe.report.title,
+        "headline": headline(recipe),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": None,
         "recipe": recipe.model_dump(mode="json"),
@@ -164,6 +165,17 @@ def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequen
                              quantization_of(tier.path)))
         del policy
     return tier_table(rows, settings, accuracy_suites)
+
+
+def headline(recipe: EvalRecipe) -> dict[str, str | None]:
+    """The checkpoint the report's headline cards describe and the one they compare it with."""
+    labels = [c.name for c in recipe.checkpoints] or [t.label for t in recipe.tiers.models]
+    shown = recipe.report.headline or labels[-1]
+    against = recipe.report.headline_against
+    if against is None:  # the checkpoint before it
+        position = labels.index(shown)
+        against = labels[position - 1] if position > 0 else None
+    return {"checkpoint": shown, "against": against if against != shown else None}
 
 
 def write_results(results: dict[str, Any], output_dir: Path, results_name: str = RESULTS_FILE,

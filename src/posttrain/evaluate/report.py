@@ -1,7 +1,8 @@
 """The HTML report: one self-contained file (inline CSS and SVG; no script, nothing fetched) rendered from the
 results JSON alone, so ``render_report(json.load(open("results.json")))`` re-renders it.
 
-Sections: headline cards for the last checkpoint (with the change from the one before), a table per domain with
+Sections: headline cards for the headline checkpoint (`report.headline`; by default the last one, with the change
+from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
 fresh draw, safety, a length x depth heat map of the long-context suites, training curves, process metrics,
 failure classes with transcripts, contamination, held-out hygiene, regression floors, the tier table (accuracy
@@ -103,8 +104,10 @@ def _nav(view: _View) -> str:
 def _summary(view: _View) -> str:
     if not view.labels:
         return _section("summary", "Summary", "No checkpoint was evaluated.", "")
-    last = view.labels[-1]
-    previous = view.labels[-2] if len(view.labels) > 1 else None
+    chosen = view.results.get("headline") or {}
+    last = chosen.get("checkpoint") if chosen.get("checkpoint") in view.labels else view.labels[-1]
+    previous = chosen.get("against") if "checkpoint" in chosen else (view.labels[-2] if len(view.labels) > 1 else None)
+    previous = previous if previous in view.labels and previous != last else None
     capability, fresh = view.capability_suites(), view.capability_suites(("fresh",))
     heldout_safety = [n for n in view.safety_suites if _kind(view, n) == "heldout"] or sorted(view.safety_suites)
 
@@ -132,11 +135,12 @@ def _summary(view: _View) -> str:
                        ("excluded" if contamination.get("excluded") else "kept")))
     failures = sum(sum(view.suite(last, s["name"]).get("failures", {}).values()) for s in view.suites)
     cards.append(_card("failed episodes", str(failures), f"{_e(last)}, every suite"))
-    checkpoint = view.results["checkpoints"][-1]
+    checkpoint = view.results["checkpoints"][view.labels.index(last)]
     cards.append(_card("items / s", f'{checkpoint.get("items_per_s") or 0:.1f}',
                        f'{checkpoint.get("items", 0)} items in {checkpoint.get("seconds", 0):.1f}s'))
     chart = _pass_chart(view)
-    lead = f"Figures of the last checkpoint, <b>{_e(last)}</b>" + (
+    which = "the headline checkpoint" if chosen.get("checkpoint") and last != view.labels[-1] else "the last checkpoint"
+    lead = f"Figures of {which}, <b>{_e(last)}</b>" + (
         f", with the change from <b>{_e(previous)}</b> (percentage points)." if previous else ".")
     return _section("summary", "Summary", lead, f'<div class="cards">{"".join(cards)}</div>{chart}')
 

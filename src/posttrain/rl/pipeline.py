@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from posttrain.config import DynamicSamplingConfig, RLRecipe
+from posttrain.envs import judging_wall_seconds
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY
 from posttrain.schedule import DROPPED_KEY, TaskSampler, group_outcome, is_dropped, is_kept, split_groups
 from posttrain.types import FailureClass, SamplingParams, Task, Trajectory
@@ -362,6 +363,8 @@ def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     for domain, group in by_domain.items():
         metrics[f"reward/{domain}"] = sum(t.reward.score for t in group) / len(group)
         metrics[f"pass_rate/{domain}"] = sum(t.reward.passed for t in group) / len(group)
+        metrics[f"time/judge_s/{domain}"] = judging_wall_seconds(group)  # wall time its verifiers were busy
+    metrics["time/judge_s"] = judging_wall_seconds(trajectories)
     failures: dict[str, int] = defaultdict(int)
     for trajectory in trajectories:
         if trajectory.reward.failure is not FailureClass.NONE:

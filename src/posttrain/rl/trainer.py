@@ -96,6 +96,7 @@ class RLResult:
     mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
     events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
     infra_failures: dict[str, int] = field(default_factory=dict)  # per suite at the final evaluation, never scored
+    stopped_by: str = ""  # "steps" (train.max_steps), "time_cap" (train.max_minutes: warned) or "on_step"
 
 
 @dataclass
@@ -207,11 +208,14 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         baseline, _ = _evaluate(run, evaluate, 0, logs.events)
         tracker.log(baseline, step=0)
     run.pipeline = _start_pipeline(run, cursor, pending)
+    time_capped = False
     try:
         tracker.start_progress(recipe.train.max_steps, done=cursor.step)
         while cursor.step < recipe.train.max_steps:
             if recipe.train.max_minutes is not None and cursor.train_seconds >= recipe.train.max_minutes * 60:
-                say(f"[rl] time budget of {recipe.train.max_minutes} min reached at step {cursor.step}")
+                say(f"[rl] WARNING: the time cap of {recipe.train.max_minutes} min cut training short at step "
+                    f"{cursor.step} of {recipe.train.max_steps}: the result now depends on this machine's speed")
+                time_capped = True
                 break
             metrics, events = _iteration(run, cursor.step, evaluate, logs)
             cursor.step += 1
@@ -242,6 +246,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         logs.events.close()
         tracker.close()
     result = _result(run, cursor, final_dir, final, history)
+    result.stopped_by = "time_cap" if time_capped else "on_step" if cursor.step < recipe.train.max_steps else "steps"
     (output_dir / SUMMARY_FILE).write_text(json.dumps(_summary(result), indent=2) + "\n")
     return result
 
@@ -390,6 +395,10 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
         trained = [(t, r) for t, r, keep in zip(trajectories, returns, kept) if keep]
         metrics.update(_ppo_update(run, [t for t, _ in trained], [r for _, r in trained], replay))
     metrics["time/train_s"] = time.perf_counter() - started
+    # Compute, in tokens through the model: every sampled sequence once (the engine), every trained one through a
+    # forward and a backward (what `sft_control` matches).
+    metrics["tokens/sampled"] = float(sum(len(t.token_ids) for t in batch.trajectories))
+    metrics["tokens/trained"] = float(sum(len(t.token_ids) for t, _ in trained))
 
     # weights: version step + 1 to the engine(s). A stale batch is sampled from an older version: keep a copy the
     # optimizer will not touch.

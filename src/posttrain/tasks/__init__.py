@@ -3,10 +3,10 @@
     from posttrain.tasks import get_domain, sample_tasks
     tasks = sample_tasks(get_domain("arithmetic"), 100, level=3, split="heldout")
 
-Domains: ``arithmetic``, ``extraction``, ``calculator`` (multi-turn tool use), ``code``, ``repo_fix`` (agentic),
-``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels are lengths in tokens, up to 32k),
-``agent`` (another domain's tasks done by a black-box agent program in the sandbox), ``dataset`` (a JSONL file or
-saved Hugging Face dataset of problems with answers), ``tasks``
+Domains: ``arithmetic``, ``fractions`` (judged by the math verifier), ``extraction``, ``calculator`` (multi-turn
+tool use), ``code``, ``repo_fix`` (agentic), ``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels
+are lengths in tokens, up to 32k), ``agent`` (another domain's tasks done by a black-box agent program in the
+sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
 ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
@@ -20,6 +20,7 @@ from posttrain.tasks import code as _code  # noqa: F401
 from posttrain.tasks import dataset as _dataset  # noqa: F401
 from posttrain.tasks import external as _external  # noqa: F401
 from posttrain.tasks import extraction as _extraction  # noqa: F401
+from posttrain.tasks import fractions as _fractions  # noqa: F401
 from posttrain.tasks import long_doc_qa as _long_doc_qa  # noqa: F401
 from posttrain.tasks import multi_doc_qa as _multi_doc_qa  # noqa: F401
 from posttrain.tasks import needle as _needle  # noqa: F401

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from posttrain.data import SFTSample
-from posttrain.tasks.base import TaskError, demo_sample, domain, task_id
+from posttrain.tasks.base import TaskError, demo_sample, domain, task_id, user_messages
 from posttrain.types import Task
 
 
@@ -36,14 +36,11 @@ class Arithmetic:
             a, b = b, a
         problem = f"{a}{op}{b}"
         answer = str(a + b if op == "+" else a - b)
-        messages = [{"role": "user", "content": problem}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
         return Task(
             id=task_id(self.name, problem),
             domain=self.name,
             difficulty=level,
-            messages=messages,
+            messages=user_messages(problem, self.system_prompt),
             verifier="exact",
             verifier_args={"answer": answer},
             max_steps=1,

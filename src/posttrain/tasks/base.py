@@ -149,6 +149,14 @@ def demonstrations(source: Domain, tasks: Iterable[Task]) -> list[SFTSample]:
     return [source.demonstration(task) for task in tasks]
 
 
+def user_messages(content: str, system_prompt: str | None = None) -> list[Message]:
+    """A single-turn prompt: the user's message, after the domain's system prompt when it has one."""
+    messages: list[Message] = [{"role": "user", "content": content}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def task_id(domain_name: str, problem_key: str) -> str:
     return f"{domain_name}-{hashlib.sha1(problem_key.encode()).hexdigest()[:12]}"
 

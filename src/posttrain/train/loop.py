@@ -8,7 +8,8 @@ seed and the epoch, so a resume replays the order exactly) and `step(items)`, on
 them (forward, backward, the optimizer step) that reports its `StepFigures`. The loop owns the rest, written once:
 
 - stop at `total_steps`, or when `train.max_minutes` of training time is spent (time in steps only, so a resume
-  continues the budget);
+  continues the budget) -- a safety cap, so it warns: where it cuts a run short the outcome depends on the
+  machine's speed and load; `cursor.stopped_by` says which ended the run ("steps", "time_cap", "early_stopping");
 - roll over to the next epoch when its items run out (a step never spans two epochs: the last one is short);
 - every `log_every` steps, log the window's means (`sums / weight` over the steps since the last log: token-
   weighted for SFT, per pair for DPO and RM), grad norm, learning rate, throughput and epoch position;
@@ -41,6 +42,7 @@ class Cursor:
     best_score: float | None = None
     best_step: int = 0
     evals_since_best: int = 0
+    stopped_by: str = ""  # why the loop ended: "steps", "time_cap" or "early_stopping" ("" while it runs)
 
 
 @dataclass
@@ -79,9 +81,12 @@ def train_loop(
     window = _Window()
     last_loss = float("nan")
     tracker.start_progress(total_steps, done=cursor.step)
+    cursor.stopped_by = "steps"
     while cursor.step < total_steps:
         if config.max_minutes is not None and cursor.train_seconds >= config.max_minutes * 60:
-            say(f"[{stage}] time budget of {config.max_minutes} min reached at step {cursor.step}")
+            say(f"[{stage}] WARNING: the time cap of {config.max_minutes} min cut training short at step "
+                f"{cursor.step} of {total_steps}: the result now depends on this machine's speed and load")
+            cursor.stopped_by = "time_cap"
             break
         if cursor.row >= len(items):
             cursor.epoch, cursor.row = cursor.epoch + 1, 0
@@ -106,6 +111,7 @@ def train_loop(
             window = _Window()
         if config.eval_every and cursor.step % config.eval_every == 0 and evaluate is not None:
             if evaluate():
+                cursor.stopped_by = "early_stopping"
                 break
         if config.save_every and cursor.step % config.save_every == 0 and cursor.step < total_steps:
             save()

@@ -57,6 +57,9 @@ class SFTResult:
     train_loss: float
     heldout_loss: float | None
     data_report: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str = ""  # "epochs", "max_steps", "early_stopping" or "time_cap"
+    tokens: int = 0  # input tokens trained on (every step's forward and backward)
+    evaluation: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures (eval/...)
 
 
 def run_sft(
@@ -116,8 +119,11 @@ def run_sft(
     def step(rows: list) -> StepFigures:
         return _sft_step(model, rows, recipe, tokenizer.pad_token_id, optimizer, scheduler, runtime, parallel)
 
+    last_eval: dict[str, Any] = {}
+
     def evaluate_and_check() -> bool:
-        return _evaluate_and_check(model, tokenizer, data, runtime, recipe.train, cursor, tracker, evaluate)
+        return _evaluate_and_check(model, tokenizer, data, runtime, recipe.train, cursor, tracker, evaluate,
+                                   last_eval)
 
     model.train()
     train_loss = train_loop(
@@ -126,10 +132,20 @@ def run_sft(
         on_step=on_step,
         progress=lambda m: f"loss {m['train/loss']:.4f} {m['train/tokens_per_s']:,.0f} tok/s",
     )
+    stopped_by = cursor.stopped_by
+    if stopped_by == "steps":
+        stopped_by = "max_steps" if recipe.train.max_steps else "epochs"
+    if evaluate is not None and last_eval.get("step") != cursor.step:
+        # The figures the run ended with, not those of an evaluation some steps before it stopped.
+        _evaluate_and_check(model, tokenizer, data, runtime, recipe.train, cursor, tracker, evaluate, last_eval,
+                            judge=False)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
                                  recipe.train.batch_size) if data.has_heldout else None
     if heldout_loss is not None:
         tracker.log({"eval/heldout_loss": heldout_loss}, step=cursor.step)
+        last_eval.setdefault("metrics", {})["eval/heldout_loss"] = heldout_loss
+    if writer:
+        say(stop_line(stopped_by, cursor, total_steps, recipe.train, last_eval.get("metrics", {})))
     save()
     final_dir = output_dir / "final"
     whole = parallel.full_model(model)
@@ -145,6 +161,9 @@ def run_sft(
         train_loss=train_loss,
         heldout_loss=heldout_loss,
         data_report=data.report,
+        stopped_by=stopped_by,
+        tokens=cursor.tokens,
+        evaluation=dict(last_eval.get("metrics", {})),
     )
 
 
@@ -179,9 +198,10 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
 
 
 def _evaluate_and_check(model, tokenizer, data: PreparedSFTData, runtime, config, cursor: Cursor, tracker,
-                        evaluate) -> bool:
-    """Log the held-out figures; True when early stopping says stop. The best score is in the cursor, so a
-    resumed run stops where the uninterrupted one would."""
+                        evaluate, last: dict[str, Any], *, judge: bool = True) -> bool:
+    """Log the held-out figures and print them; True when early stopping says stop. The best score is in the
+    cursor, so a resumed run stops where the uninterrupted one would. `last` keeps the figures and their step;
+    `judge=False` (the evaluation after the loop) leaves early stopping's state alone."""
     metrics: dict[str, float] = {}
     if data.has_heldout:
         metrics["eval/heldout_loss"] = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
@@ -190,17 +210,62 @@ def _evaluate_and_check(model, tokenizer, data: PreparedSFTData, runtime, config
         metrics.update({f"eval/{k}": v for k, v in evaluate(model).items()})
     model.train()
     tracker.log(metrics, step=cursor.step)
+    last.update(step=cursor.step, metrics=metrics)
+    if not judge:
+        say(f"[sft] step {cursor.step} (end): {describe_evaluation(metrics)}")
+        return False
     score = metrics.get("eval/score", -metrics.get("eval/heldout_loss", 0.0))
     if cursor.best_score is None or score > cursor.best_score:
         cursor.best_score, cursor.best_step, cursor.evals_since_best = score, cursor.step, 0
     else:
         cursor.evals_since_best += 1
+    say(f"[sft] step {cursor.step}: {describe_evaluation(metrics)}"
+        f" (best {_score_text(cursor.best_score, metrics)} at step {cursor.best_step})")
     patience = config.early_stopping_patience
     stop = patience is not None and cursor.evals_since_best >= patience
     if stop:
         say(f"[sft] held-out score has not improved for {patience} evaluations: stopping at step {cursor.step} "
-            f"(best {cursor.best_score:.4f} at step {cursor.best_step})")
+            f"(best {_score_text(cursor.best_score, metrics)} at step {cursor.best_step})")
     return stop
+
+
+def describe_evaluation(metrics: dict[str, float]) -> str:
+    """One console line of an evaluation: the validation accuracy (an `evaluate` callback's "score", with its
+    per-domain "accuracy/<domain>") and the held-out loss, whichever the run has."""
+    parts = []
+    if "eval/score" in metrics:
+        domains = [f"{k.removeprefix('eval/accuracy/')} {v:.1%}" for k, v in sorted(metrics.items())
+                   if k.startswith("eval/accuracy/")]
+        listed = f" ({', '.join(domains)})" if domains else ""
+        parts.append(f"validation accuracy {metrics['eval/score']:.1%}{listed}")
+    if "eval/heldout_loss" in metrics:
+        parts.append(f"held-out loss {metrics['eval/heldout_loss']:.4f}")
+    return "; ".join(parts) or "no held-out figures"
+
+
+def _score_text(score: float | None, metrics: dict[str, float]) -> str:
+    """Early stopping's score as a reader knows it: an accuracy, or (its negation) a held-out loss."""
+    if score is None:
+        return "-"
+    return f"{score:.1%}" if "eval/score" in metrics else f"held-out loss {-score:.4f}"
+
+
+STOP_REASONS = {
+    "epochs": "all {epochs:g} epochs done",
+    "max_steps": "train.max_steps reached",
+    "early_stopping": "early stopping",
+    "time_cap": "the time cap of {minutes:g} min cut it short (WARNING: the outcome depends on the machine's speed)",
+}
+
+
+def stop_line(stopped_by: str, cursor: Cursor, total_steps: int, config, metrics: dict[str, float]) -> str:
+    """Why an SFT run stopped, at which step, and the held-out figures it reached."""
+    reason = STOP_REASONS.get(stopped_by, stopped_by).format(epochs=config.epochs, minutes=config.max_minutes or 0)
+    figures = describe_evaluation(metrics) if metrics else "no evaluation (no held-out data, no evaluate callback)"
+    best = ""
+    if cursor.best_score is not None and metrics:
+        best = f"; best {_score_text(cursor.best_score, metrics)} at step {cursor.best_step}"
+    return f"[sft] stopped: {reason}, at step {cursor.step} of {total_steps} planned; {figures}{best}"
 
 
 @torch.no_grad()
