@@ -96,3 +96,36 @@ def test_requests_it_cannot_serve_are_refused_when_submitted(tiny_tokenizer):
     with pytest.raises(RolloutError, match="top_p"):
         batcher.submit(StreamRequest([5], SamplingParams(top_p=0)))
     assert batcher.waiting == 0
+
+
+def test_arrivals_join_a_running_batch_together_within_a_few_steps(tiny_tokenizer, prompts):
+    """Each join copies the batch's KV: arrivals that trickle in one per step join in a few groups, none waiting
+    more than `max_join_wait_steps` steps for its first token; with join_ratio=0 every arrival joins alone."""
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+
+    def trickle(**policy):
+        batcher = ContinuousBatcher(engine, **policy)
+        requests = [StreamRequest(prompts[i % len(prompts)], SamplingParams(max_new_tokens=40, temperature=0.9,
+                                                                            seed=i), ignore_eos=True)
+                    for i in range(24)]
+        waited = {}
+        for step, request in enumerate(requests):
+            batcher.submit(request)
+            batcher.step()
+            for r in requests[: step + 1]:
+                if r.first_token_s is not None and id(r) not in waited:
+                    waited[id(r)] = batcher.steps - 1
+        arrived = {id(r): i for i, r in enumerate(requests)}
+        while batcher.running or batcher.waiting:
+            batcher.step()
+            for r in requests:
+                if r.first_token_s is not None and id(r) not in waited:
+                    waited[id(r)] = batcher.steps - 1
+        return batcher.joins, max(waited[k] - arrived[k] for k in waited), requests
+
+    joins, longest_wait, together = trickle(max_join_wait_steps=4)
+    assert joins <= 8 and longest_wait <= 4
+    alone_joins, alone_wait, apart = trickle(join_ratio=0)
+    assert alone_joins == 23 and alone_wait == 0  # the first starts the batch, each other arrival joins alone
+    for a, b in zip(together, apart):  # when a request joins does not change what it samples
+        assert a.completions[0].token_ids == b.completions[0].token_ids
