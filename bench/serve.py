@@ -119,10 +119,15 @@ class RawClients:
         body = json.dumps({"model": MODEL, "messages": messages, "temperature": 1.0, "seed": index,
                            "max_tokens": max_tokens, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
         reader, writer = await self._connection(index)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
+        writer.write(request)
         status = await reader.readline()
+        if not status:  # the server closed the idle kept-alive connection (uvicorn: after 5 s): open a new one
+            self.connections[index] = reader, writer = await asyncio.open_connection(self.host, self.port)
+            writer.write(request)
+            status = await reader.readline()
         if b" 200 " not in status:
             raise SystemExit(f"request {index}: {status.decode().strip()}")
         while (await reader.readline()) not in (b"\r\n", b""):
