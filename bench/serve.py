@@ -62,6 +62,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+async def all_clients(one, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
+    """Every client's request at once (``one(index, messages, max_tokens, started)``): completion tokens, wall
+    seconds from the first request sent to the last stream closed, and each request's time to first token."""
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(i, m, max_tokens, started) for i, m in enumerate(prompts)))
+    return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
+
+
 class Clients:
     """`count` concurrent streaming chat clients: one `openai.AsyncOpenAI` (its connection pool kept open across
     runs, so a timed run does not pay for connecting) on one event loop, in this process — not the server's."""
@@ -84,14 +92,9 @@ class Clients:
                 tokens = chunk.usage.completion_tokens
         return tokens, first if first is not None else time.perf_counter() - started
 
-    async def _all(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
-        started = time.perf_counter()
-        results = await asyncio.gather(*(self._one(i, m, max_tokens, started) for i, m in enumerate(prompts)))
-        return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
-
     def run(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
         """Completion tokens, wall seconds (first request sent to last stream closed), per-request TTFTs."""
-        return self.loop.run_until_complete(self._all(prompts, max_tokens))
+        return self.loop.run_until_complete(all_clients(self._one, prompts, max_tokens))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.close())
@@ -148,14 +151,9 @@ class RawClients:
         usage = json.loads(last_event.removeprefix(b"data: ")).get("usage") or {}
         return usage.get("completion_tokens", 0), first if first is not None else time.perf_counter() - started
 
-    async def _all(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
-        started = time.perf_counter()
-        results = await asyncio.gather(*(self._one(i, m, max_tokens, started) for i, m in enumerate(prompts)))
-        return sum(t for t, _ in results), time.perf_counter() - started, [f for _, f in results]
-
     def run(self, prompts: list[list[dict]], max_tokens: int) -> tuple[int, float, list[float]]:
         """Completion tokens, wall seconds (first request sent to last stream closed), per-request TTFTs."""
-        return self.loop.run_until_complete(self._all(prompts, max_tokens))
+        return self.loop.run_until_complete(all_clients(self._one, prompts, max_tokens))
 
     def close(self) -> None:
         for _, writer in self.connections:
