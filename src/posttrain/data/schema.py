@@ -8,7 +8,8 @@ A record on disk (one JSONL line, one Parquet row, one dataset row) looks like
 
 Metadata keys other than the four named ones are kept in `extras` and can be mixed on like the others.
 A message's content is a string or a list of OpenAI-style parts: text parts (``{"type": "text", "text": ...}``)
-are joined with a newline; any other part (an image, audio) is an error naming it.
+are joined with a newline; any other part (an image, audio) is an error naming it. Chats with images are
+read by `posttrain.data.images` (`read_vision_samples`).
 `validate_record` turns a raw record into an `SFTSample` or raises `RecordError` naming the field.
 `metadata.origin` is where the sample was read (``train.jsonl:17``), set by the readers so that every later
 error about the sample (tokenization, packing) names the file and line; it is not written back out.
@@ -139,7 +140,7 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             got = repr(kind) if isinstance(part, dict) else type(part).__name__
             raise RecordError(f"{where}[{j}]", f"only text parts ({{type: text, text: ...}}) can be trained on, "
-                              f"got {got}")
+                              f"got {got} (chats with images are read by read_vision_samples, docs/multimodal.md)")
         texts.append(part["text"])
     return "\n".join(texts)
 
