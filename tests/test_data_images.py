@@ -109,3 +109,17 @@ def test_image_rules_and_skipping_to_the_rejects_file(tmp_path):
     assert "1 image(s) of the column are not referred to" in lines[1]["error"]
     with pytest.raises(Exception, match="1 image"):  # bytes and PIL values in memory, not only JSON
         validate_vision_record({**_chat({"type": "image"}), "images": [_png(), _png()]})
+
+
+def test_posttrain_imports_without_pillow_and_says_how_to_get_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['PIL'] = None\n"  # an import of PIL now fails, as on a machine without it
+            "import posttrain.data, posttrain.models, posttrain.tasks\n"
+            "from posttrain.tasks import get_domain, sample_tasks\n"
+            "try:\n    sample_tasks(get_domain('shape_count'), 1, level=1)\n"
+            "except posttrain.data.DataError as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "needs Pillow: pip install 'posttrain[vision]'" in done.stdout

@@ -106,3 +106,16 @@ def test_bad_settings_are_task_errors():
         get_domain("largest_colour", canvas=8)
     big = get_domain("shape_count", canvas=128)
     assert _image(sample_tasks(big, 1, level=2)[0]).size == (128, 128)
+
+
+def test_an_image_task_is_refused_by_the_text_chat_path(tiny_tokenizer):
+    from posttrain.chat import ChatTemplateError, render_chat
+    from posttrain.data import DataError, prompt_ids
+
+    task = sample_tasks(get_domain("shape_count"), 1, level=1)[0]
+    with pytest.raises(ChatTemplateError, match="message 0 holds an image part"):
+        render_chat(tiny_tokenizer, task.messages, generation_prompt=True)
+    with pytest.raises(DataError, match="image part"):  # what the text engine and trainers call
+        prompt_ids(tiny_tokenizer, [task.messages])
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    render_chat(tiny_tokenizer, text_only, generation_prompt=True)  # text parts still go to the template

@@ -36,6 +36,7 @@ from posttrain.data.images import (
     VisionSample,
     iter_vision_samples,
     load_image,
+    pillow,
     read_vision_samples,
     validate_vision_record,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "VisionSample",
     "iter_vision_samples",
     "load_image",
+    "pillow",
     "read_vision_samples",
     "validate_vision_record",
     "BloomFilter",

@@ -34,15 +34,17 @@ import binascii
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
-
-from PIL import Image, UnidentifiedImageError
+from typing import TYPE_CHECKING, Any, Iterator
 
 from posttrain.config import DataSource
 from posttrain.data.readers import OnInvalid, RejectLog, read_records, resolve_path, where
 from posttrain.data.schema import ROLES, DataError, RecordError, SampleMetadata, _validate_metadata
 from posttrain.types import Message
 
+if TYPE_CHECKING:
+    from PIL import Image
+
+VISION_HINT = "pip install 'posttrain[vision]' (or: pip install pillow)"
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
 IMAGE_PART_TYPES = ("image", "image_url")
 _MAX_PIXELS = 40_000_000  # one image above this is refused (a decompression bomb, or not meant for a VLM)
@@ -53,7 +55,7 @@ class VisionSample:
     """A chat with images: `messages` hold text and ``{"type": "image"}`` parts, `images` the decoded images."""
 
     messages: list[Message]
-    images: list[Image.Image] = field(default_factory=list)
+    images: list[Image.Image] = field(default_factory=list)  # PIL images, RGB
     metadata: SampleMetadata = field(default_factory=SampleMetadata)
 
     @property
@@ -65,11 +67,21 @@ class VisionSample:
         return list(self.messages)
 
 
+def pillow() -> Any:
+    """The PIL.Image module, or a `DataError` saying how to install Pillow (images are an optional extra)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DataError(f"reading images needs Pillow: {VISION_HINT}") from None
+    return Image
+
+
 def load_image(value: Any, base_dir: str | Path | None = None) -> Image.Image:
     """An RGB PIL image from a path, ``file://`` or ``data:`` URL, bytes, a datasets Image value or a PIL image.
 
     Raises `ValueError` with a one-line reason (the caller adds the record and the part).
     """
+    Image = pillow()
     if isinstance(value, Image.Image):
         return _checked(value, "the image")
     if isinstance(value, dict) and ("bytes" in value or "path" in value):  # datasets' Image storage
@@ -103,9 +115,10 @@ def _data_url_bytes(url: str) -> bytes:
 
 
 def _decoded_bytes(data: bytes, what: str) -> Image.Image:
+    Image = pillow()
     try:
         image = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
+    except Image.UnidentifiedImageError:
         raise ValueError(f"{what} is not an image Pillow can read (corrupt, or an unsupported format)") from None
     return _checked(image, what)
 
@@ -245,6 +258,8 @@ def read_vision_samples(source: DataSource | str | Path, on_invalid: OnInvalid =
 
 def _printable(record: dict[str, Any]) -> dict[str, Any]:
     """The record for the rejects file: images (bytes, PIL) replaced by a short description."""
+    Image = pillow()
+
     def describe(value: Any) -> Any:
         if isinstance(value, Image.Image):
             return f"<PIL image {value.width}x{value.height}>"

@@ -19,18 +19,15 @@ ordinary `LlavaForConditionalGeneration` with its `LlavaProcessor`: `save_pretra
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from PIL import Image
 from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
-    CLIPImageProcessor,
     CLIPVisionConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
-    LlavaProcessor,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -38,6 +35,10 @@ from transformers import (
 
 from posttrain.models.load import ModelError, _load_error, _require_dir_or_hub_id
 from posttrain.models.tiny import tiny_config
+
+if TYPE_CHECKING:  # Pillow is the `vision` extra: imported where images are handled, not by `import posttrain`
+    from PIL import Image
+    from transformers import LlavaProcessor
 
 IGNORE_INDEX = -100
 IMAGE_TOKEN = "<image>"
@@ -131,6 +132,11 @@ def build_tiny_vlm(tokenizer: PreTrainedTokenizerBase, preset: str = "tiny-1m", 
     """The built-in tiny VLM for `tokenizer` (a copy gets the ``<image>`` token and the vision chat template)."""
     if image_size % patch_size:
         raise ModelError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
+    try:
+        from transformers import CLIPImageProcessor, LlavaProcessor
+        import PIL  # noqa: F401  (the image processor needs it; say so before transformers does)
+    except ImportError:
+        raise ModelError("the tiny VLM's processor needs Pillow: pip install 'posttrain[vision]'") from None
     tokenizer = copy.deepcopy(tokenizer)
     if IMAGE_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})

@@ -24,12 +24,14 @@ import io
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from PIL import Image, ImageDraw
-
-from posttrain.data import SFTSample
+from posttrain.data import SFTSample, pillow
 from posttrain.tasks.base import TaskError, demo_sample, domain, task_id
 from posttrain.types import Message, Task
+
+if TYPE_CHECKING:  # Pillow is the `vision` extra, imported when a scene is drawn
+    from PIL import Image
 
 KINDS = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (40, 70, 220), "yellow": (235, 200, 20),
@@ -58,6 +60,9 @@ class Shape:
 
 def render(shapes: list[Shape], canvas: int) -> Image.Image:
     """The scene as an RGB image on a white canvas."""
+    pillow()  # a clear error naming the extra when Pillow is missing
+    from PIL import Image, ImageDraw
+
     image = Image.new("RGB", (canvas, canvas), (255, 255, 255))
     draw = ImageDraw.Draw(image)
     for shape in shapes:
