@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from posttrain.config import DataSource
 from posttrain.data.readers import OnInvalid, RejectLog, read_records, resolve_path, where
-from posttrain.data.schema import ROLES, DataError, RecordError, SampleMetadata, _validate_metadata
+from posttrain.data.schema import DataError, RecordError, SampleMetadata, _validate_metadata, message_role
 from posttrain.types import Message
 
 if TYPE_CHECKING:
@@ -170,11 +170,7 @@ def _image_column(record: dict[str, Any]) -> list[Any] | None:
 
 def _message(message: Any, where_: str, column: list[Any] | None, images: list[Image.Image],
              base_dir: str | Path | None) -> Message:
-    if not isinstance(message, dict):
-        raise RecordError(where_, f"expected an object, got {type(message).__name__}")
-    role = message.get("role")
-    if role not in ROLES:
-        raise RecordError(f"{where_}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+    role = message_role(message, where_)
     content = message.get("content")
     if isinstance(content, str):
         return {"role": role, "content": [{"type": "text", "text": content}]}

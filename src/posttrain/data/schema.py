@@ -99,12 +99,18 @@ def validate_record(record: Any, default_source: str | None = None) -> SFTSample
     return SFTSample(messages=clean, metadata=_validate_metadata(meta, default_source))
 
 
-def _validate_message(message: Any, where: str) -> Message:
+def message_role(message: Any, where: str) -> str:
+    """The role of a message object, or a `RecordError` naming `where` (the message) or its role."""
     if not isinstance(message, dict):
         raise RecordError(where, f"expected an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
         raise RecordError(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+    return role
+
+
+def _validate_message(message: Any, where: str) -> Message:
+    role = message_role(message, where)
     content = message.get("content")
     tool_calls = message.get("tool_calls")
     if content is None and not tool_calls:

@@ -105,27 +105,31 @@ def _apart(x: int, y: int, size: int, other: Shape) -> bool:
             or y + size + _GAP <= other.y or other.y + other.size + _GAP <= y)
 
 
-def image_task(name: str, level: int, shapes: list[Shape], canvas: int, question: str, answer: str,
-               system_prompt: str | None) -> Task:
-    problem = f"{canvas}|{';'.join(s.key for s in shapes)}|{question}"
-    content = [{"type": "image_url", "image_url": {"url": data_url(render(shapes, canvas))}},
-               {"type": "text", "text": question}]
-    messages: list[Message] = [{"role": "user", "content": content}]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return Task(
-        id=task_id(name, problem), domain=name, difficulty=level, messages=messages, verifier="exact",
-        verifier_args={"answer": answer}, max_steps=1, timeout_s=10.0,
-        metadata={"problem_key": problem, "answer": answer, "modality": "image",
-                  "shapes": [s.__dict__ for s in shapes], "canvas": canvas},
-    )
+class _Scenes:
+    """What both domains share: the canvas, the system prompt, level checks and the task around a scene."""
 
+    def __init__(self, name: str, max_level: int, canvas: int, system_prompt: str | None):
+        if not 32 <= canvas <= 512:
+            raise TaskError(f"{name}: canvas must be 32..512 pixels, got {canvas}")
+        self.name, self.max_level, self.canvas, self.system_prompt = name, max_level, canvas, system_prompt
 
-def _check(name: str, level: int, max_level: int, canvas: int) -> None:
-    if not 1 <= level <= max_level:
-        raise TaskError(f"{name}: level must be in 1..{max_level}, got {level}")
-    if not 32 <= canvas <= 512:
-        raise TaskError(f"{name}: canvas must be 32..512 pixels, got {canvas}")
+    def check(self, level: int) -> None:
+        if not 1 <= level <= self.max_level:
+            raise TaskError(f"{self.name}: level must be in 1..{self.max_level}, got {level}")
+
+    def task(self, level: int, shapes: list[Shape], question: str, answer: str) -> Task:
+        problem = f"{self.canvas}|{';'.join(s.key for s in shapes)}|{question}"
+        content = [{"type": "image_url", "image_url": {"url": data_url(render(shapes, self.canvas))}},
+                   {"type": "text", "text": question}]
+        messages: list[Message] = [{"role": "user", "content": content}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return Task(
+            id=task_id(self.name, problem), domain=self.name, difficulty=level, messages=messages,
+            verifier="exact", verifier_args={"answer": answer}, max_steps=1, timeout_s=10.0,
+            metadata={"problem_key": problem, "answer": answer, "modality": "image",
+                      "shapes": [s.__dict__ for s in shapes], "canvas": self.canvas},
+        )
 
 
 @domain("shape_count")
@@ -134,12 +138,11 @@ class ShapeCount:
     max_level = 3
 
     def __init__(self, canvas: int = 64, system_prompt: str | None = None):
-        _check(self.name, 1, self.max_level, canvas)
+        self.scenes = _Scenes(self.name, self.max_level, canvas, system_prompt)
         self.canvas = canvas
-        self.system_prompt = system_prompt
 
     def make_task(self, rng: random.Random, level: int) -> Task:
-        _check(self.name, level, self.max_level, self.canvas)
+        self.scenes.check(level)
         low, high = {1: (1, 4), 2: (2, 7), 3: (3, 9)}[level]
         count = rng.randint(low, high)
         if level == 1:
@@ -153,7 +156,7 @@ class ShapeCount:
         else:
             kind = rng.choice(KINDS)
             question, answer = f"How many {kind}s are in the image?", sum(s.kind == kind for s in shapes)
-        return image_task(self.name, level, shapes, self.canvas, question, str(answer), self.system_prompt)
+        return self.scenes.task(level, shapes, question, str(answer))
 
     def demonstration(self, task: Task) -> SFTSample:
         return demo_sample(task, task.metadata["answer"], None)
@@ -166,12 +169,11 @@ class LargestColour:
     RATIOS = {1: 2.0, 2: 1.5, 3: 1.25}
 
     def __init__(self, canvas: int = 64, system_prompt: str | None = None):
-        _check(self.name, 1, self.max_level, canvas)
+        self.scenes = _Scenes(self.name, self.max_level, canvas, system_prompt)
         self.canvas = canvas
-        self.system_prompt = system_prompt
 
     def make_task(self, rng: random.Random, level: int) -> Task:
-        _check(self.name, level, self.max_level, self.canvas)
+        self.scenes.check(level)
         low, high = {1: (2, 2), 2: (3, 4), 3: (4, 6)}[level]
         count = rng.randint(low, high)
         colours = rng.sample(list(COLOURS), count)
@@ -188,7 +190,7 @@ class LargestColour:
         shapes = place(rng, list(zip(kinds, colours)), sizes, self.canvas)
         answer = max(shapes, key=lambda s: s.area).colour
         question = "What colour is the largest shape in the image? Answer with one word."
-        return image_task(self.name, level, shapes, self.canvas, question, answer, self.system_prompt)
+        return self.scenes.task(level, shapes, question, answer)
 
     def demonstration(self, task: Task) -> SFTSample:
         return demo_sample(task, task.metadata["answer"], None)
