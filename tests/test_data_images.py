@@ -123,3 +123,16 @@ def test_posttrain_imports_without_pillow_and_says_how_to_get_it():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "needs Pillow: pip install 'posttrain[vision]'" in done.stdout
+
+
+def test_parquet_rows_with_image_structs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"images": [{"bytes": _png("black", (3, 3)), "path": None}],
+             "messages": [{"role": "user", "content": [{"type": "image", "text": None},
+                                                       {"type": "text", "text": "colour?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "black"}]}]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    [sample] = read_vision_samples(tmp_path / "train.parquet")
+    assert sample.images[0].getpixel((1, 1)) == (0, 0, 0) and sample.metadata.origin.endswith("train.parquet:row 0")
