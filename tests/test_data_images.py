@@ -136,3 +136,11 @@ def test_parquet_rows_with_image_structs(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     [sample] = read_vision_samples(tmp_path / "train.parquet")
     assert sample.images[0].getpixel((1, 1)) == (0, 0, 0) and sample.metadata.origin.endswith("train.parquet:row 0")
+
+
+def test_an_image_over_the_pixel_limit_is_refused(monkeypatch):
+    from posttrain.data import images
+
+    monkeypatch.setattr(images, "_MAX_PIXELS", 50)
+    with pytest.raises(Exception, match="9x7 pixels is over the 50-pixel limit"):
+        validate_vision_record(_chat({"type": "image", "image": _png()}))

@@ -118,7 +118,9 @@ def _decoded_bytes(data: bytes, what: str) -> Image.Image:
     Image = pillow()
     try:
         image = Image.open(io.BytesIO(data))
-    except Image.UnidentifiedImageError:
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"{what}: {error}") from None
+    except (Image.UnidentifiedImageError, OSError, ValueError):
         raise ValueError(f"{what} is not an image Pillow can read (corrupt, or an unsupported format)") from None
     return _checked(image, what)
 
