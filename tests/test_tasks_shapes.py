@@ -75,7 +75,7 @@ def test_largest_colour_is_the_colour_with_the_most_pixels(level):
 
 
 def test_the_exact_verifier_judges_and_demonstrations_pass():
-    for name, wrong in (("shape_count", "99"), ("largest_colour", "white")):
+    for name, wrong in (("shape_count", "99"), ("largest_colour", "white"), ("read_digits", "x")):
         domain = get_domain(name)
         for task in sample_tasks(domain, 10, level=[1, 2, 3], seed=5):
             demo = domain.demonstration(task)
@@ -88,7 +88,7 @@ def test_the_exact_verifier_judges_and_demonstrations_pass():
 
 
 def test_held_out_never_overlaps_train_and_draws_are_deterministic():
-    for name in ("shape_count", "largest_colour"):
+    for name in ("shape_count", "largest_colour", "read_digits"):
         domain = get_domain(name)
         train = sample_tasks(domain, 300, level=[1, 2, 3], split="train", seed=0)
         heldout = sample_tasks(domain, 40, level=[1, 2, 3], split="heldout", seed=0)
@@ -119,3 +119,26 @@ def test_an_image_task_is_refused_by_the_text_chat_path(tiny_tokenizer):
         prompt_ids(tiny_tokenizer, [task.messages])
     text_only = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     render_chat(tiny_tokenizer, text_only, generation_prompt=True)  # text parts still go to the template
+
+
+@pytest.mark.parametrize("level, digits", [(1, (1, 2)), (2, (3, 4)), (3, (5, 6))])
+def test_read_digits_writes_the_whole_number_inside_the_canvas(level, digits):
+    from PIL import ImageOps
+
+    from posttrain.tasks.shapes import written
+
+    domain = get_domain("read_digits")
+    tasks = sample_tasks(domain, 10, level=level, seed=level)
+    images = {}
+    for task in tasks:
+        number = task.metadata["answer"]
+        assert number.isdigit() and digits[0] <= len(number) <= digits[1]
+        image = _image(task)
+        left, top, right, bottom = ImageOps.invert(image.convert("L")).getbbox()  # the ink
+        assert left >= 1 and top >= 1 and right <= 63 and bottom <= 63  # no digit cut off at an edge
+        again, _ = written(number, task.metadata["font_size"], tuple(task.metadata["at"]), 64)
+        assert list(again.getdata()) == list(image.getdata())  # the picture is exactly that number, drawn there
+        images.setdefault(number, image)
+        assert verify(task, number, {}).score == 1.0 and verify(task, number + "1", {}).score == 0.0
+    shown = list(images.values())
+    assert all(list(a.getdata()) != list(b.getdata()) for i, a in enumerate(shown) for b in shown[i + 1:])

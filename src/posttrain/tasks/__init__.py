@@ -8,7 +8,7 @@ tool use), ``code``, ``repo_fix`` (agentic), ``long_doc_qa``, ``needle`` and ``m
 are lengths in tokens, up to 32k), ``agent`` (another domain's tasks done by a black-box agent program in the
 sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`),
-``shape_count`` and ``largest_colour`` (images drawn with Pillow: `posttrain.tasks.shapes`) and
+``shape_count``, ``largest_colour`` and ``read_digits`` (images drawn with Pillow: `posttrain.tasks.shapes`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
 ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
 tasksets), `posttrain.tasks.external`. See docs/tasks.md to add one.
