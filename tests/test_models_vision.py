@@ -142,7 +142,7 @@ def test_image_count_mismatch_and_non_vision_directories_are_clear_errors(tiny_t
         load_vision_model(str(tmp_path / "missing" / "dir"))
 
 
-def test_the_built_in_tiny_vlm_saves_loads_and_learns(tiny_tokenizer, tmp_path):
+def test_the_built_in_tiny_vlm_saves_and_loads_as_a_transformers_model(tiny_tokenizer, tmp_path):
     model, processor = build_tiny_vlm(tiny_tokenizer, seed=3)
     assert IMAGE_TOKEN not in tiny_tokenizer.get_vocab()  # the caller's tokenizer is left alone
     model.save_pretrained(tmp_path)
@@ -152,6 +152,10 @@ def test_the_built_in_tiny_vlm_saves_loads_and_learns(tiny_tokenizer, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
 
+
+@pytest.mark.slow  # 60 optimizer steps: ~16 s alone, over a minute on a loaded machine
+def test_the_built_in_tiny_vlm_learns_a_colour_from_the_pixels(tiny_tokenizer):
+    loaded, loaded_processor = build_tiny_vlm(tiny_tokenizer, seed=3)
     # Colour -> word: the answer depends on the image alone, so learning it means reading the pixels.
     rows = []
     for colour in ("red", "blue"):
