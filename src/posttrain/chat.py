@@ -32,7 +32,18 @@ class ChatTemplateError(PosttrainError):
 
 def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-    """The template's text for `messages`, ending with the generation prompt when `generation_prompt`."""
+    """The template's text for `messages`, ending with the generation prompt when `generation_prompt`.
+
+    A message holding an image part is refused: a text tokenizer's template would drop the image silently (the
+    built-in one renders no list content at all), so an image task would train on an empty prompt. Images go
+    through a vision model's processor (`posttrain.models.vision_inputs`)."""
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
+                                             for part in content):
+            raise ChatTemplateError(f"message {index} holds an image part, which a text-only chat template cannot "
+                                    "render; image prompts need a vision-language model and its processor "
+                                    "(docs/multimodal.md: the text stages do not take image tasks yet)")
     if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # (a stand-in may not have one)
         raise ChatTemplateError("the tokenizer has no chat template; set model.chat_template in the recipe (a Jinja "
                                 "template or a file holding one)")

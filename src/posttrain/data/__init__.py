@@ -5,7 +5,8 @@
     batch = collate(prepared.epoch_rows(0)[:32], tokenizer.pad_token_id)
     loss = model(**model_inputs(batch)).loss
 
-See docs/data.md for the record format and every knob.
+See docs/data.md for the record format and every knob; chats with images: `read_vision_samples`
+(docs/multimodal.md).
 """
 
 from posttrain.data.decontaminate import (
@@ -30,6 +31,15 @@ from posttrain.data.packing import (
 )
 from posttrain.data.pipeline import PreparedSFTData, prepare_sft_data, read_all_texts
 from posttrain.data.formats import SourceFormat, detect_format
+from posttrain.data.images import (
+    IMAGE_FORMATS,
+    VisionSample,
+    iter_vision_samples,
+    load_image,
+    pillow,
+    read_vision_samples,
+    validate_vision_record,
+)
 from posttrain.data.readers import (
     RejectLog,
     iter_samples,
@@ -62,6 +72,13 @@ from posttrain.data.preference import (
 )
 
 __all__ = [
+    "IMAGE_FORMATS",
+    "VisionSample",
+    "iter_vision_samples",
+    "load_image",
+    "pillow",
+    "read_vision_samples",
+    "validate_vision_record",
     "BloomFilter",
     "DataError",
     "DecontaminationResult",

@@ -8,7 +8,8 @@ A record on disk (one JSONL line, one Parquet row, one dataset row) looks like
 
 Metadata keys other than the four named ones are kept in `extras` and can be mixed on like the others.
 A message's content is a string or a list of OpenAI-style parts: text parts (``{"type": "text", "text": ...}``)
-are joined with a newline; any other part (an image, audio) is an error naming it.
+are joined with a newline; any other part (an image, audio) is an error naming it. Chats with images are
+read by `posttrain.data.images` (`read_vision_samples`).
 `validate_record` turns a raw record into an `SFTSample` or raises `RecordError` naming the field.
 `metadata.origin` is where the sample was read (``train.jsonl:17``), set by the readers so that every later
 error about the sample (tokenization, packing) names the file and line; it is not written back out.
@@ -98,12 +99,18 @@ def validate_record(record: Any, default_source: str | None = None) -> SFTSample
     return SFTSample(messages=clean, metadata=_validate_metadata(meta, default_source))
 
 
-def _validate_message(message: Any, where: str) -> Message:
+def message_role(message: Any, where: str) -> str:
+    """The role of a message object, or a `RecordError` naming `where` (the message) or its role."""
     if not isinstance(message, dict):
         raise RecordError(where, f"expected an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
         raise RecordError(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
+    return role
+
+
+def _validate_message(message: Any, where: str) -> Message:
+    role = message_role(message, where)
     content = message.get("content")
     tool_calls = message.get("tool_calls")
     if content is None and not tool_calls:
@@ -139,7 +146,7 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             got = repr(kind) if isinstance(part, dict) else type(part).__name__
             raise RecordError(f"{where}[{j}]", f"only text parts ({{type: text, text: ...}}) can be trained on, "
-                              f"got {got}")
+                              f"got {got} (chats with images are read by read_vision_samples, docs/multimodal.md)")
         texts.append(part["text"])
     return "\n".join(texts)
 

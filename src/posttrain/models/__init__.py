@@ -1,5 +1,6 @@
 """Models: load any local Hugging Face causal LM, build the tiny built-in one, LoRA, atomic checkpoints, reward
-models (`AutoModelForSequenceClassification` with one label), export, weight-only quantization (torchao).
+models (`AutoModelForSequenceClassification` with one label), export, weight-only quantization (torchao),
+vision-language models (`AutoModelForImageTextToText` + processor) and the built-in tiny VLM (`models.vision`).
 
     from posttrain.models import load_tokenizer, load_model, build_tiny_model, save_checkpoint
 """
@@ -33,8 +34,22 @@ from posttrain.models.tokenizer_match import check_same_tokenizer, tokenizer_dif
 from posttrain.models.export import export_model
 from posttrain.models.quantize import TARGETS as QUANTIZE_TARGETS, quantization_of, quantize_checkpoint
 from posttrain.models.load import VARLEN
+from posttrain.models.vision import (
+    IMAGE_TOKEN,
+    build_tiny_vlm,
+    collate_vision,
+    load_vision_model,
+    vision_chat_template,
+    vision_inputs,
+)
 
 __all__ = [
+    "IMAGE_TOKEN",
+    "build_tiny_vlm",
+    "collate_vision",
+    "load_vision_model",
+    "vision_chat_template",
+    "vision_inputs",
     "CHAT_TEMPLATE",
     "END",
     "ModelError",

@@ -7,7 +7,8 @@ Domains: ``arithmetic``, ``fractions`` (judged by the math verifier), ``extracti
 tool use), ``code``, ``repo_fix`` (agentic), ``long_doc_qa``, ``needle`` and ``multi_doc_qa`` (long-context: levels
 are lengths in tokens, up to 32k), ``agent`` (another domain's tasks done by a black-box agent program in the
 sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
-(a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`) and
+(a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`),
+``shape_count``, ``largest_colour`` and ``read_digits`` (images drawn with Pillow: `posttrain.tasks.shapes`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
 ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
 tasksets), `posttrain.tasks.external`. See docs/tasks.md to add one.
@@ -27,6 +28,7 @@ from posttrain.tasks import needle as _needle  # noqa: F401
 from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
 from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401
 from posttrain.tasks import safety as _safety  # noqa: F401
+from posttrain.tasks import shapes as _shapes  # noqa: F401
 from posttrain.tasks import task_file as _task_file  # noqa: F401
 from posttrain.tasks.base import (
     DOMAINS,
