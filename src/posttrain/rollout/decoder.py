@@ -405,7 +405,7 @@ class DecoderRunner:
                          end: int, layers: list[_LayerWeights]) -> torch.Tensor:
         """Prompt columns [start, end) through every layer, their KV written into the prompt caches; the hidden
         states [B, end - start, hidden]."""
-        dims, span = self.dims, end - start
+        dims = self.dims
         query_at = torch.arange(start, end, device=self.device)[:, None]
         key_at = torch.arange(end, device=self.device)[None, :]
         # A padding query sees only itself: finite garbage that no real token ever attends to.
