@@ -1,6 +1,6 @@
 """The tier table, measured: standard, distilled student, speculative decoding (student draft; prompt lookup), int8.
 
-    .venv/bin/python bench/tiers.py [--teacher-steps 150] [--student-steps 60] [--heldout 100] [--repeats 3]
+    .venv/bin/python bench/tiers.py [--teacher-steps 150] [--student-steps 200] [--heldout 100] [--repeats 5]
     .venv/bin/python bench/tiers.py --out runs/bench-tiers     # keep results.json and report.html
 
 1. Standard: the built-in tiny model (`--teacher-preset`, tiny-3m) SFT-trained for `--teacher-steps` steps on 4000
@@ -19,8 +19,8 @@
    alike) and the median of each figure, then the table (speed-ups against standard) and the report are rebuilt.
 
 One JSON line at the end: per tier accuracy, tokens/s, p50 latency, speed-up, acceptance; ``ratio`` = the fastest
-tier's tokens/s over standard's; ``load_avg_1m``. About 5 minutes on the shared 2-core machine at load ~2 (the
-two trainings are most of it).
+tier's tokens/s over standard's; ``load_avg_1m``. 5-6 minutes on the shared 2-core machine at load 2.4-3.8 (the
+two trainings are most of it; measured figures in docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -116,10 +116,11 @@ def alternated_speeds(recipe, suites, repeats: int) -> dict[str, dict[str, Any]]
     return medians
 
 
-def run(root: Path, *, teacher_preset: str = "tiny-3m", teacher_steps: int = 150, student_steps: int = 60,
-        heldout: int = 100, prompts: int = 16, max_new_tokens: int = 32, num_tokens: int = 4, repeats: int = 3,
+def run(root: Path, *, teacher_preset: str = "tiny-3m", teacher_steps: int = 150, student_steps: int = 200,
+        heldout: int = 100, prompts: int = 16, max_new_tokens: int = 32, num_tokens: int = 4, repeats: int = 5,
         seed: int = 0, out: Path | None = None) -> dict[str, Any]:
-    """The whole bench in `root`; returns the summary (the JSON line) with the full ``table`` beside it."""
+    """The whole bench in `root`; returns the summary (the JSON line) with the full ``table`` and the eval's
+    ``examples`` beside it."""
     from posttrain.evaluate import build_suites, evaluate, tier_table, write_results
     from posttrain.models import quantize_checkpoint
 
@@ -164,7 +165,7 @@ def run(root: Path, *, teacher_preset: str = "tiny-3m", teacher_steps: int = 150
         "threads": 1, "tiers": rows, "fastest": fastest,
         "ratio": round(rows[fastest]["tokens_per_s"] / rows["standard"]["tokens_per_s"], 3),
         "timings_s": timings, "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-        "table": table,
+        "table": table, "examples": result.results["examples"],
     }
 
 
@@ -172,12 +173,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teacher-preset", default="tiny-3m")
     parser.add_argument("--teacher-steps", type=int, default=150)
-    parser.add_argument("--student-steps", type=int, default=60)
+    parser.add_argument("--student-steps", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=100)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write results.json and report.html here")
     args = parser.parse_args()
@@ -192,7 +193,7 @@ def main() -> None:
                       student_steps=args.student_steps, heldout=args.heldout, prompts=args.prompts,
                       max_new_tokens=args.max_new_tokens, num_tokens=args.num_tokens, repeats=args.repeats,
                       seed=args.seed, out=args.out)
-    summary.pop("table")
+    summary.pop("table"), summary.pop("examples")
     summary["seconds"] = round(time.perf_counter() - bench_started)
     summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(summary))
