@@ -300,7 +300,7 @@ def test_demo_distill_stage_reports_both_tiers(tmp_path):
 
     plus = {"operators": "+"}
     recipe = DemoRecipe.model_validate({
-        "output_dir": str(tmp_path / "run"), "preset": "tiny-1m", "vocab_size": 320, "stages": ["sft", "distill"],
+        "output_dir": str(tmp_path / "run"), "preset": "tiny-1m", "vocab_size": 320, "stages": ["sft", "distill", "report"],
         "domains": [{"name": "arithmetic", "args": plus, "sft_levels": [1, 2], "demos": 200, "heldout_levels": [2],
                      "heldout": 16, "validation": 0}],
         "sft": {"data": {"max_length": 64}, "train": {"batch_size": 16, "max_steps": 4, "log_every": 2}},
@@ -319,3 +319,8 @@ def test_demo_distill_stage_reports_both_tiers(tmp_path):
     assert standard["decode_tokens_per_s"] > 0 and fast["decode_tokens_per_s"] > 0
     assert stage["kl_to_teacher"]["end"] is not None
     assert (tmp_path / "run" / "distill" / "final" / "config.json").is_file()
+    # The report's tier table: the teacher and its student, each with its accuracy and its measured speed.
+    tiers = summary["stages"]["report"]["tiers"]
+    assert [(row["label"], row["kind"]) for row in tiers["rows"]] == [("sft", "standard"), ("distill", "distilled")]
+    assert all(row["tokens_per_s"] > 0 and row["accuracy"] is not None for row in tiers["rows"])
+    assert 'id="tiers"' in (tmp_path / "run" / "report.html").read_text()

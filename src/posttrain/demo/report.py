@@ -1,7 +1,8 @@
 """Demo stage `report`: every stage's checkpoint on the demo's suites, side by side, in runs/demo/report.html.
 
 The checkpoints are ``runs/demo/<stage>/final`` for each finished stage that has one (sft, dpo, rl ...), in the
-order they ran; the headline cards describe the delivered model (RL's checkpoint) against SFT. The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
+order they ran; the headline cards describe the delivered model (RL's checkpoint) against SFT. When `distill` ran,
+its teacher and its student are the tier table's two rows (evaluated like the others, then timed). The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
 of the same size from the same held-out split (new seed), and the safety domain (generated here when the demo
 does not train on it). The contamination check runs against the SFT demonstrations, any preference pairs in
 the data directory and the RL runs' episodes; the training curves come from each stage's metrics.jsonl.
@@ -49,9 +50,13 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
     pairs = sorted({str(p) for pattern in PREFERENCE_PATTERNS for p in run.data_dir.glob(pattern)})
     sft = [{"path": str(run.data_dir / SFT_FILE)}] if (run.data_dir / SFT_FILE).is_file() else []
     curves = [{"path": str(root / stage), "label": stage} for stage in stages if (root / stage / "metrics.jsonl").is_file()]
+    tiers = tier_models(run, stages)
+    in_tiers = {tier["label"] for tier in tiers}
     return EvalRecipe.model_validate({
         "output_dir": str(root),
-        "checkpoints": [{"path": str(run.model_after(stage)), "label": stage} for stage in stages],
+        "checkpoints": [{"path": str(run.model_after(stage)), "label": stage} for stage in stages
+                        if stage not in in_tiers],
+        "tiers": {"models": tiers, "max_new_tokens": run.recipe.eval.max_new_tokens},
         "sampling": {"max_new_tokens": run.recipe.eval.max_new_tokens},
         "contamination": {"sft": sft, "preferences": [{"path": p} for p in pairs], "rl_episodes": episodes},
         "fresh_draw": {"seed": run.recipe.seed + 7919},
@@ -59,6 +64,17 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
         "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves,
                    **delivered_headline(run, stages)},
     })
+
+
+def tier_models(run: DemoRun, stages: list[str]) -> list[dict[str, str]]:
+    """The tier table's rows when the `distill` stage ran: the model it distilled (standard) and its student
+    (distilled). They are evaluated like the other checkpoints (the same columns of the report) and timed on the
+    same prompts, so the report shows both tiers' accuracy and speed (docs/tiers.md, "Tier table")."""
+    teacher = run.summary["stages"].get("distill", {}).get("teacher")
+    if "distill" not in stages or teacher not in stages:
+        return []
+    return [{"label": teacher, "path": str(run.model_after(teacher)), "kind": "standard"},
+            {"label": "distill", "path": str(run.model_after("distill")), "kind": "distilled"}]
 
 
 def delivered_headline(run: DemoRun, stages: list[str]) -> dict[str, str]:
@@ -106,4 +122,5 @@ def summary_figures(results: dict[str, Any], stages: list[str], report_path: str
         "contaminated_items": results["contamination"]["count"],
         "eval_seconds": results["seconds"],
         "items_per_s": {c["label"]: c["items_per_s"] for c in results["checkpoints"]},
+        "tiers": results.get("tiers"),
     }
