@@ -39,7 +39,7 @@ def test_each_evaluation_prints_the_validation_accuracy_and_early_stopping_says_
     assert "[sft] step 8: validation accuracy 40.0% (arithmetic 40.0%, code 20.0%) (best 50.0% at step 4)" in err
     [line] = stop_lines(err)
     assert line.startswith("[sft] stopped: early stopping, at step 10 of 20 planned; validation accuracy 45.0%")
-    assert line.endswith("best 50.0% at step 4")
+    assert line.endswith("an earlier evaluation was better: 50.0% at step 4")
     assert result.evaluation["eval/score"] == 0.45
 
 
@@ -53,6 +53,7 @@ def test_a_run_that_ends_between_evaluations_is_evaluated_once_more_at_its_last_
     assert "[sft] step 5 (end): validation accuracy 75.0%" in err
     [line] = stop_lines(err)
     assert line.startswith("[sft] stopped: train.max_steps reached, at step 5 of 5 planned; validation accuracy 75.0%")
+    assert "earlier" not in line  # the last evaluation is the best: nothing better to point back to
     assert result.evaluation["eval/score"] == 0.75
 
 

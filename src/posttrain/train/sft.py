@@ -263,8 +263,9 @@ def stop_line(stopped_by: str, cursor: Cursor, total_steps: int, config, metrics
     reason = STOP_REASONS.get(stopped_by, stopped_by).format(epochs=config.epochs, minutes=config.max_minutes or 0)
     figures = describe_evaluation(metrics) if metrics else "no evaluation (no held-out data, no evaluate callback)"
     best = ""
-    if cursor.best_score is not None and metrics:
-        best = f"; best {_score_text(cursor.best_score, metrics)} at step {cursor.best_step}"
+    final = metrics.get("eval/score", -metrics.get("eval/heldout_loss", 0.0)) if metrics else None
+    if cursor.best_score is not None and metrics and final < cursor.best_score:  # the model kept is the last one
+        best = f"; an earlier evaluation was better: {_score_text(cursor.best_score, metrics)} at step {cursor.best_step}"
     return f"[sft] stopped: {reason}, at step {cursor.step} of {total_steps} planned; {figures}{best}"
 
 
