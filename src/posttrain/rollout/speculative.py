@@ -76,20 +76,14 @@ class Speculation:
 
 
 def check_same_tokenizer(target: Any, draft: Any, where: str = "draft") -> None:
-    """Raise RolloutError unless two tokenizers map every token to the same id (and agree on the special ids)."""
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab != draft_vocab:
-        missing = sorted(set(target_vocab) ^ set(draft_vocab))[:5]
-        moved = sorted(t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t])[:5]
-        raise RolloutError(
-            f"speculative {where}: its tokenizer differs from the target's ({len(draft_vocab)} vs "
-            f"{len(target_vocab)} tokens; tokens in one only: {missing}; tokens with other ids: {moved}); "
-            "a draft model must share the target's tokenizer"
-        )
-    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(target, name, None) != getattr(draft, name, None):
-            raise RolloutError(f"speculative {where}: {name} is {getattr(draft, name, None)} in its tokenizer, "
-                               f"{getattr(target, name, None)} in the target's")
+    """Raise RolloutError unless the draft's tokenizer is the target's: the same ids for every token and the same
+    special tokens (`models.tokenizer_differences`; the chat template does not matter, the draft sees ids)."""
+    from posttrain.models import tokenizer_differences
+
+    problems = [p for p in tokenizer_differences(target, draft, ("target", "draft")) if "chat template" not in p]
+    if problems:
+        raise RolloutError(f"speculative {where}: its tokenizer differs from the target's ({'; '.join(problems)}); "
+                           "a draft model must share the target's tokenizer")
 
 
 def load_speculation(draft: str | None, tokenizer: Any, *, num_tokens: int = 4, ngram: int = 3,
