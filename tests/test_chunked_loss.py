@@ -179,3 +179,20 @@ def test_the_fused_sft_head_matches_autograd_under_bf16_autocast(tiny_tokenizer)
     (fused_loss, fused_grads), (plain_loss, plain_grads) = results
     assert abs(fused_loss - plain_loss) <= 1e-3 * abs(plain_loss)
     assert_same_grads(fused_grads, plain_grads, tolerance=3e-2)
+
+
+def test_the_head_runs_twice_only_where_checkpointing_saves_memory(tiny_tokenizer):
+    """Scored tokens that fit in one chunk are not checkpointed (the head runs once, forward and backward
+    included); several chunks recompute each chunk's logits in the backward (twice per chunk)."""
+    ids = torch.randint(10, 300, (2, 30), generator=torch.Generator().manual_seed(3))
+    select = torch.ones(2, 29, dtype=torch.bool)
+    targets = ids[:, 1:][select]  # 58 scored tokens
+    counts = {}
+    for chunk in (64, 20):
+        model = model_for(tiny_tokenizer)
+        calls = []
+        model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+        stats = scored_token_stats(model, ids, select, targets, chunk_tokens=chunk)
+        stats.logprobs.sum().backward()
+        counts[chunk] = len(calls)
+    assert counts == {64: 1, 20: 6}  # 58 tokens: one piece; three chunks of at most 20, each run twice

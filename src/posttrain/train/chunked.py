@@ -7,7 +7,8 @@ output). Here the decoder runs once over the sequence, the head is applied to `c
 positions at a time, and each chunk is checkpointed (`torch.utils.checkpoint`, non-reentrant): the forward
 keeps only the chunk's hidden states and its per-token results; the backward recomputes one chunk's logits
 at a time. The price is one more head matmul per scored token (the head's forward runs twice); the memory of
-the loss becomes ``chunk_tokens * vocab`` instead of ``tokens * vocab``.
+the loss becomes ``chunk_tokens * vocab`` instead of ``tokens * vocab``. Scored tokens that fit in one chunk are
+not checkpointed (nothing to save, the head runs once).
 
 Per token, in fp32, as `train.forward` computes them unchunked (the same function, to float rounding):
 
@@ -80,10 +81,13 @@ def chunked_head_stats(model: torch.nn.Module, head: torch.nn.Module, hidden: to
         return stats if entropy else stats[:1]
 
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    # One chunk holds all the logits anyway: checkpointing it would only run the head twice (an RL batch of short
+    # completions, a small vocabulary). Recompute only where it saves memory.
+    grad = grad and hidden.shape[0] > chunk_tokens
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        out = checkpoint(piece, h, t, use_reentrant=False) if grad else piece(h, t)
+        out = checkpoint(piece, h, t, use_reentrant=False) if grad else piece(h, t)  # (no checkpoint: autograd as usual)
         logprobs.append(out[0])
         if entropy:
             entropies.append(out[1])
