@@ -19,7 +19,7 @@ from posttrain.rl.advantages import gae_advantages, whiten
 from posttrain.rl.critic import make_critic
 from posttrain.rl.learned_reward import LEARNED_REWARD_KEY, LearnedReward
 from posttrain.rl.advantages import episode_return
-from posttrain.rl.step import UpdateSettings, collate_trajectories, rl_update
+from posttrain.rl.update import UpdateSettings, collate_trajectories, rl_update
 from posttrain.rl.trainer import run_rl
 from posttrain.train import Runtime, build_optimizer
 from posttrain.train.policy_loss import clipped_value_loss

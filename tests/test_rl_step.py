@@ -6,7 +6,7 @@ import torch
 from posttrain.config.rl import PolicyLossConfig
 from posttrain.config import OptimConfig
 from posttrain.rl.advantages import compute_advantages
-from posttrain.rl.step import UpdateSettings, collate_trajectories, rl_update
+from posttrain.rl.update import UpdateSettings, collate_trajectories, rl_update
 from posttrain.train import Runtime, build_optimizer, selected_logits, target_logprobs
 from posttrain.types import Reward, Trajectory
 

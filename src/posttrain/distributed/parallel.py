@@ -300,7 +300,7 @@ class TorchDataParallel:
 
 
 class _SyncLast(list):
-    """A rank's micro-batches. Iterated one by one ahead of each forward/backward (as `rl.step` does), it lets
+    """A rank's micro-batches. Iterated one by one ahead of each forward/backward (as `rl.update` does), it lets
     only the last backward reduce-scatter: the earlier ones accumulate unsharded gradients locally, which saves a
     collective per unit and micro-batch. Consumed all at once (as the SFT loop does), every backward syncs."""
 

@@ -59,7 +59,7 @@ def roles(recipe: RLRecipe) -> list[Role]:
 
 
 class RayBackend:
-    """The `rl.trainer.BackendFactory` of a Ray run: actors in their placement-group bundles."""
+    """The `rl.backend.BackendFactory` of a Ray run: actors in their placement-group bundles."""
 
     def __init__(self, placement: Placement, name_prefix: str | None = None):
         self.placement = placement

@@ -1,10 +1,10 @@
 """The trainer as a group of Ray actors: N ranks, one FSDP-sharded copy of the policy between them.
 
-RL: each `TrainerRank` holds a `rl.trainer.LocalPolicy` over its sharded model with a `TorchDataParallel` as its
-`DataParallel`, so a step is the same `rl_update` as in one process (see `rl.step` and `distributed.parallel`).
+RL: each `TrainerRank` holds a `rl.update.LocalPolicy` over its sharded model with a `TorchDataParallel` as its
+`DataParallel`, so a step is the same `rl_update` as in one process (see `rl.update` and `distributed.parallel`).
 After the step the ranks gather the whole weights; rank 0 returns them into Ray's object store, from where the
 engines fetch them (the driver passes the reference on without fetching). `TrainerGroup` is the driver's side,
-a `rl.trainer.PolicyTrainer`: it keeps an unsharded mirror of the policy, refreshed only when something reads it
+a `rl.update.PolicyTrainer`: it keeps an unsharded mirror of the policy, refreshed only when something reads it
 (checkpoints, evaluation), and writes the checkpoints itself, in one process's format (the optimizer state is
 gathered to whole tensors), so a run resumes on either backend.
 
@@ -135,7 +135,7 @@ def wait_all(ray, refs: list[Any], what: str) -> list[Any]:
 
 
 class TrainerGroup:
-    """The driver's side of the RL trainer ranks: a `rl.trainer.PolicyTrainer` (see the module docstring)."""
+    """The driver's side of the RL trainer ranks: a `rl.update.PolicyTrainer` (see the module docstring)."""
 
     def __init__(self, recipe: RLRecipe, placement: Placement, mirror: torch.nn.Module,
                  name_prefix: str = "posttrain", extra_metrics: Callable[[], dict[str, float]] | None = None):

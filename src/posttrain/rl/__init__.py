@@ -15,15 +15,14 @@ from posttrain.rl.advantages import (
     with_rewards,
 )
 from posttrain.rl.answer_sampling import EngineAnswerSampler
-from posttrain.rl.backend import LocalPolicy, RLBackend, engine_state, local_backend
+from posttrain.rl.backend import RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward
 from posttrain.rl.guarding import RunGuard
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
-from posttrain.rl.step import UpdateSettings, rl_update
+from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
-from posttrain.rl.backend import make_reference
 from posttrain.rl.pipeline import engine_rollout
 from posttrain.rl.starting_model import starting_tokenizer
 

@@ -13,7 +13,7 @@ recipe asks for), then its advantage (group-relative estimators, or per-token GA
                                                         linear down to -penalty at the limit L)
 
 Every component is returned by name so the trainer logs them separately; what the model is trained on
-is their sum. `overlong: mask` instead removes truncated episodes from the loss (see `rl.step`).
+is their sum. `overlong: mask` instead removes truncated episodes from the loss (see `rl.update`).
 
 With the recipe's `rewards:` (functions of the user's own and verifiers, `posttrain.verify.rewards`) the outcome
 is their weighted sum, judged in the episode; `with_rewards` puts the terms on every task the rollout function

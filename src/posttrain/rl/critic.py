@@ -36,9 +36,8 @@ from posttrain.models import (
     merged_copy,
     save_reward_model,
 )
-from posttrain.rl.backend import set_lr_scale
 from posttrain.rl.learned_reward import load_scorer
-from posttrain.rl.step import collate_trajectories, mini_batches
+from posttrain.rl.update import collate_trajectories, mini_batches, set_lr_scale
 from posttrain.train import (
     Runtime,
     build_optimizer,

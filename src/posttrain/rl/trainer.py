@@ -11,7 +11,7 @@ One iteration (`_iteration`, the whole of it in one function):
                 shaping, a learned reward component when the recipe has `reward_model:`)
     advantages  group-relative (`compute_advantages`), or with `algorithm.advantage: gae` per-token GAE from the
                 critic's values (`rl.critic`), which trains beside the policy
-    update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.step.rl_update`, its settings one
+    update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.update.rl_update`, its settings one
                 `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
     weights     the new version published to the engine(s)
     guard       every N steps the suites are evaluated through `posttrain.evaluate` (`evaluate(model, version)`:
@@ -51,7 +51,7 @@ from posttrain.rl.advantages import (
     whiten,
     with_rewards,
 )
-from posttrain.rl.backend import BackendFactory, PolicyTrainer, RLBackend, local_backend
+from posttrain.rl.backend import BackendFactory, RLBackend, local_backend
 from posttrain.rl.critic import Critic, make_critic
 from posttrain.rl.learned_reward import LearnedReward, ProcessRewardModel
 from posttrain.rl.pipeline import (
@@ -69,6 +69,7 @@ from posttrain.evaluate import SuiteScore
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.rl.starting_model import starting_tokenizer
+from posttrain.rl.update import PolicyTrainer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import Tracker, say

@@ -1,0 +1,463 @@
+"""The RL update: trajectories with advantages -> clipped policy-gradient step(s) -> statistics; and the policy
+that takes it (`PolicyTrainer`: `LocalPolicy` in this process, an FSDP trainer group in `posttrain.distributed`).
+
+`LocalPolicy.update` is one batch's update: the replay SFT loss the forgetting guard asks for
+(`replay_sft_backward`: its gradient is accumulated first, so the RL update's optimizer step takes both), then
+`rl_update`. A data-parallel rank of `posttrain.distributed` runs the same `LocalPolicy` over its sharded model.
+Also here: the weights the engines get after an update (`engine_state`: the merged weights of a LoRA policy), the
+reference policy for the KL term (`make_reference`: the adapter switched off under LoRA, a frozen copy otherwise)
+and the learning-rate scale a rollback leaves (`set_lr_scale`).
+
+The trainer scores exactly the token ids the engine sampled (`Trajectory.token_ids`, never re-tokenized):
+position t is scored when token t+1 is a policy token (`loss_mask[t+1] == 1`); observation tokens of
+agentic episodes are context only. The same forward that computes the loss also measures, for free, the
+gap between the engine's behaviour log-probs and the trainer's log-probs of the same tokens.
+
+An advantage is one number per trajectory (group-relative estimators: repeated on each of its policy tokens) or
+a sequence with one number per policy token, in order (PPO with a critic: `rl.advantages.gae_advantages`).
+
+What an update does is one typed object, `UpdateSettings` (the loss, precision, padding, temperature, batch
+sizes, clipping), built once from the recipe (`UpdateSettings.of(recipe, runtime, pad_id)`).
+
+A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-batches); sequences of one
+mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
+to the mini-batch's.
+
+The data-parallel seam is `posttrain.train.DataParallel`, the one SFT uses (`LOCAL` in one process): every rank
+sees the whole batch and computes the same normalizers, backpropagates only its share of each mini-batch (the
+gradients are summed across ranks), and the statistics are combined over the ranks, so they equal one process's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from posttrain.config import PolicyLossConfig, RLRecipe
+from posttrain.data import Row, SFTSample, collate, tokenize_samples
+from posttrain.models import is_lora, load_weights_from_checkpoint, reference_mode
+from posttrain.train import (
+    DataParallel,
+    LOCAL,
+    PeakMemory,
+    Runtime,
+    aggregate,
+    build_optimizer,
+    build_scheduler,
+    kl_penalty,
+    load_optimizer_state,
+    logprob_gap_stats,
+    optimizer_step,
+    per_token_policy_loss,
+    scored_token_stats,
+    sft_loss_sum,
+    truncated_importance_weights,
+)
+from posttrain.types import Trajectory
+
+# (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]
+ReferenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Everything an RL update needs besides the model, its optimizer and the batch."""
+
+    loss: PolicyLossConfig  # the recipe's `algorithm:` section: ratio, clipping, aggregation, KL, entropy
+    runtime: Runtime  # device and autocast
+    pad_id: int
+    temperature: float  # the sampling temperature the log-probs are scored at (1 for greedy sampling)
+    micro_batch_size: int  # sequences per forward/backward
+    max_grad_norm: float | None
+    normalizer: float | None = None  # the `constant` aggregation's divisor (the recipe: max_new_tokens)
+    updates_per_batch: int = 1  # optimizer steps per batch (PPO mini-batches)
+
+    @classmethod
+    def of(cls, recipe: RLRecipe, runtime: Runtime, pad_id: int) -> UpdateSettings:
+        sampling = recipe.rollout.sampling
+        return cls(loss=recipe.algorithm, runtime=runtime, pad_id=pad_id,
+                   temperature=train_temperature(recipe),
+                   micro_batch_size=recipe.train.micro_batch_size, max_grad_norm=recipe.optim.max_grad_norm,
+                   normalizer=sampling.max_new_tokens, updates_per_batch=recipe.train.updates_per_batch)
+
+
+def train_temperature(recipe: RLRecipe) -> float:
+    """The temperature log-probs are scored at: the sampling temperature (1 for greedy sampling)."""
+    temperature = recipe.rollout.sampling.temperature
+    return temperature if temperature > 0 else 1.0
+
+
+class PolicyTrainer(Protocol):
+    """Where the policy's weights are trained: `LocalPolicy` here, an FSDP trainer group in `posttrain.distributed`."""
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
+               ) -> dict[str, float]:
+        """One batch's optimizer step(s); metrics named as the run logs them (``train/*``, ``guard/replay_*``).
+        An advantage per trajectory, or one per policy token of it (PPO with a critic; see `rl_update`)."""
+        ...
+
+    def weights(self, copy: bool = False) -> Any:
+        """The weights the engines get for the current version (a state dict, or a handle their owner takes)."""
+        ...
+
+    def full_model(self) -> torch.nn.Module:
+        """The whole policy in this process, up to date: checkpoints, evaluation and the self-test read it."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": ..., "scheduler": ...}`` in one process's format, for the checkpoint."""
+        ...
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None: ...
+
+    def set_lr_scale(self, scale: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalPolicy:
+    """The policy, its optimizer and schedule (and the reference, when the KL term is on) in this process.
+
+    A data-parallel rank (`posttrain.distributed`) runs the same with its sharded model and its `DataParallel`."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, runtime: Runtime, recipe: RLRecipe, *,
+                 parallel: DataParallel = LOCAL, replay_scale: float = 1.0, reference=None):
+        self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
+        self.parallel, self.replay_scale = parallel, replay_scale
+        if reference is None and recipe.algorithm.kl_coef > 0:
+            reference = make_reference(model, recipe, runtime)
+        self.reference = reference
+        self.optimizer = build_optimizer(model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, recipe.optim,
+                                         recipe.train.max_steps * recipe.train.updates_per_batch)
+        self.base_lrs = list(self.scheduler.base_lrs)
+        self.settings = UpdateSettings.of(recipe, runtime, tokenizer.pad_token_id)
+
+    def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
+               ) -> dict[str, float]:
+        recipe, model = self.recipe, self.model
+        metrics: dict[str, float] = {}
+        if replay:
+            guard = recipe.schedule.guard
+            # Accumulated first: the RL update's optimizer step then applies both losses' gradients together.
+            # Data-parallel ranks each take the whole replay batch; `replay_scale` (1 / ranks) keeps the sum.
+            metrics.update(replay_sft_backward(model, replay, self.tokenizer, self.runtime,
+                                               coef=guard.replay_coef * self.replay_scale,
+                                               max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
+                                               micro_batch_size=recipe.train.micro_batch_size))
+        stats = rl_update(model, self.optimizer, self.scheduler, trajectories, advantages, self.settings,
+                          reference=self.reference, parallel=self.parallel) if trajectories else {}
+        if not trajectories and "guard/replay_loss" in metrics:
+            self.parallel.reduce_gradients(model)
+            stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
+        metrics.update({f"train/{k}": v for k, v in stats.items()})
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        return engine_state(self.model, copy=copy)
+
+    def full_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        load_weights_from_checkpoint(self.model, checkpoint)
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def set_lr_scale(self, scale: float) -> None:
+        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- one update: mini-batches -> micro-batches -> the loss, its gradients and statistics ----------------
+
+
+def rl_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | Sequence[float]],
+    settings: UpdateSettings,
+    *,
+    reference: ReferenceFn | None = None,
+    parallel: DataParallel = LOCAL,
+) -> dict[str, float]:
+    """Train on one batch; returns averaged statistics (loss parts, ratios, gap, entropy, grad norm).
+    With a data-parallel `parallel`, this rank trains on its share of the batch (see the module docstring)."""
+    if not trajectories:
+        return {}
+    model.train()
+    memory = PeakMemory(settings.runtime.device)
+    memory.start()
+    largest_micro = 0
+    minis = mini_batches(trajectories, settings.updates_per_batch)
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    proximal = None
+    if settings.loss.old_policy == "proximal" and settings.updates_per_batch > 1:
+        # With one update per batch the trainer's log-probs before the update are those of the loss forward.
+        proximal = _proximal_logprobs(model, trajectories, advantages, longest_first(trajectories), settings)
+    for mini in minis:
+        if not mini:
+            continue
+        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, parallel)
+        largest_micro = max(largest_micro, int(stats.pop("micro_batch_tokens")))
+        stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    out = {key: totals[key] / counts[key] for key in totals}
+    out.update(memory.figures(largest_micro))  # the step's peak memory, and above its start per token
+    return out
+
+
+def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings,
+                          reference: ReferenceFn | None, proximal: dict[int, torch.Tensor] | None,
+                          parallel: DataParallel) -> dict[str, float]:
+    """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
+    config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
+    total_tokens = sum(trajectories[i].policy_tokens for i in mini)
+    loss_total = 0.0
+    weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
+    ratio_max, ratio_min = float("-inf"), float("inf")
+    trainer_logprobs, behaviour_logprobs = [], []
+    largest_micro = 0
+    size = settings.micro_batch_size
+    for chunk in parallel.micro_batches(mini, size):
+        if not chunk:
+            parallel.idle_backward(model)
+            continue
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
+                                     settings.pad_id, runtime.device)
+        num_seqs = len(chunk)
+        largest_micro = max(largest_micro, int(micro.input_ids.numel()))
+        with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
+            logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                                   temperature=temperature, entropy=True,
+                                                   attention_mask=micro.attention_mask)
+        weights = None
+        if config.old_policy == "behaviour":
+            old = micro.behaviour
+        else:
+            old = torch.cat([proximal[i] for i in chunk]) if proximal is not None else logprobs.detach()
+            if config.tis_cap:
+                weights = truncated_importance_weights(old, micro.behaviour, config.tis_cap)
+
+        def reduce(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate(per_token, micro.seq_index, num_seqs, config.aggregation, settings.normalizer,
+                             total_tokens=total_tokens, total_seqs=len(mini))
+
+        per_token, stats = per_token_policy_loss(
+            logprobs, old, micro.advantages, micro.seq_index, num_seqs, clip_low=config.clip_low,
+            clip_high=config.clip_high, ratio_level=config.ratio_level, dual_clip=config.dual_clip,
+            importance_weights=weights,
+        )
+        loss = reduce(per_token)
+        stats["pg_loss"] = float(loss.detach())
+        entropy = entropy if config.entropy_coef else entropy.detach()
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * reduce(entropy)
+        stats["entropy"] = float(entropy.detach().mean())
+        if config.kl_coef and reference is not None:
+            with torch.no_grad(), runtime.autocast():
+                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask).float()
+            kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
+            loss = loss + config.kl_coef * reduce(kl)
+            stats["kl"] = float(kl.detach().mean())
+        loss.backward()
+        loss_total += float(loss.detach())
+        tokens = int(micro.targets.numel())
+        ratio_max, ratio_min = max(ratio_max, stats.pop("ratio_max")), min(ratio_min, stats.pop("ratio_min"))
+        for key, value in stats.items():
+            weighted[key] = weighted.get(key, 0.0) + value * (1 if key == "pg_loss" else tokens)
+        trainer_logprobs.append(logprobs.detach())
+        behaviour_logprobs.append(micro.behaviour)
+    trainer_all = torch.cat(trainer_logprobs) if trainer_logprobs else torch.zeros(0)
+    behaviour_all = torch.cat(behaviour_logprobs) if behaviour_logprobs else torch.zeros(0)
+    parallel.reduce_gradients(model)
+    if parallel.world_size > 1:
+        loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
+            parallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
+    out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
+    out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens),
+               micro_batch_tokens=float(largest_micro))
+    out.update(logprob_gap_stats(trainer_all, behaviour_all))
+    return out
+
+
+def _combine_ranks(parallel: DataParallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all):
+    """Every rank's sums and log-probs combined: the statistics one process would compute on the whole batch."""
+    parts = parallel.all_gather((loss_total, weighted, ratio_max, ratio_min, trainer_all.cpu(), behaviour_all.cpu()))
+    summed: dict[str, float] = {}
+    for part in parts:
+        for key, value in part[1].items():
+            summed[key] = summed.get(key, 0.0) + value
+    device = trainer_all.device
+    return (sum(part[0] for part in parts), summed, max(part[2] for part in parts), min(part[3] for part in parts),
+            torch.cat([part[4] for part in parts]).to(device), torch.cat([part[5] for part in parts]).to(device))
+
+
+@torch.no_grad()
+def _proximal_logprobs(model, trajectories, advantages, order: list[int], settings: UpdateSettings
+                       ) -> dict[int, torch.Tensor]:
+    """The trainer's log-probs of each trajectory's scored tokens before any update, by trajectory index."""
+    model.eval()
+    cache: dict[int, torch.Tensor] = {}
+    runtime, size = settings.runtime, settings.micro_batch_size
+    for start in range(0, len(order), size):
+        chunk = order[start : start + size]
+        micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
+                                     settings.pad_id, runtime.device)
+        with runtime.autocast():
+            logprobs = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                          temperature=settings.temperature,
+                                          attention_mask=micro.attention_mask).logprobs
+        for row, index in enumerate(chunk):
+            cache[index] = logprobs[micro.seq_index == row]
+    model.train()
+    return cache
+
+
+@dataclass
+class _MicroBatch:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    score_mask: torch.Tensor  # [B, T-1]: predict token t+1 from position t
+    targets: torch.Tensor  # [N] the sampled token ids, row-major over score_mask
+    behaviour: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    seq_index: torch.Tensor  # [N] index of the sequence within the mini-batch
+
+
+def collate_trajectories(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | Sequence[float]],
+    pad_id: int,
+    device: torch.device,
+) -> _MicroBatch:
+    width = max(len(t.token_ids) for t in trajectories)
+    batch = len(trajectories)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    score = torch.zeros((batch, width - 1), dtype=torch.bool)
+    behaviour, targets, adv, seq = [], [], [], []
+    for row, (trajectory, advantage) in enumerate(zip(trajectories, advantages)):
+        length = len(trajectory.token_ids)
+        ids = torch.tensor(trajectory.token_ids, dtype=torch.long)
+        mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
+        input_ids[row, :length] = ids
+        attention[row, :length] = 1
+        score[row, : length - 1] = mask
+        behaviour.append(torch.tensor(trajectory.behaviour_logprobs[1:], dtype=torch.float32)[mask])
+        targets.append(ids[1:][mask])
+        count = int(mask.sum())
+        adv.append(_token_advantages(advantage, count, trajectory.task_id))
+        seq.append(torch.full((count,), row, dtype=torch.long))
+    return _MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        score_mask=score.to(device),
+        targets=torch.cat(targets).to(device),
+        behaviour=torch.cat(behaviour).to(device),
+        advantages=torch.cat(adv).to(device),
+        seq_index=torch.cat(seq).to(device),
+    )
+
+
+def _token_advantages(advantage: float | Sequence[float], count: int, task_id: str) -> torch.Tensor:
+    if isinstance(advantage, (int, float)):
+        return torch.full((count,), float(advantage))
+    per_token = torch.as_tensor(advantage, dtype=torch.float32).flatten()
+    if per_token.numel() != count:
+        raise ValueError(f"trajectory of {task_id}: {per_token.numel()} advantages for {count} policy tokens")
+    return per_token
+
+
+def longest_first(trajectories: Sequence[Trajectory]) -> list[int]:
+    """Micro-batches of similar lengths waste less padding. The order is a pure function of the batch, so a
+    synchronous and an asynchronous run of the same batch compute the same sums."""
+    return sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i].token_ids))
+
+
+def mini_batches(trajectories: Sequence[Trajectory], updates_per_batch: int) -> list[list[int]]:
+    """Indices of each optimizer step's trajectories: longest first, dealt round-robin."""
+    order = longest_first(trajectories)
+    return [order[k::updates_per_batch] for k in range(updates_per_batch)]
+
+
+# ---- what the policy serves, its reference, the guard's replay loss and learning-rate scale ---------------
+
+
+def engine_state(model: torch.nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The weights an engine serves: the merged model for LoRA; detached (cloned when the trainer will keep
+    updating them while the engine still needs this version)."""
+    from posttrain.rollout import state_for_engine
+
+    state = state_for_engine(model)
+    return {k: v.detach().clone() for k, v in state.items()} if copy else state
+
+
+def make_reference(model, recipe: RLRecipe, runtime: Runtime):
+    """log-probs of the scored tokens under the reference policy: the base with the adapter off (LoRA), or a
+    frozen copy of the starting weights."""
+    temperature = train_temperature(recipe)
+    if is_lora(model):
+        def lora_reference(input_ids, attention_mask, score_mask):
+            with reference_mode(model):
+                return scored_token_stats(model, input_ids, score_mask, input_ids[:, 1:][score_mask],
+                                          temperature=temperature, attention_mask=attention_mask).logprobs
+
+        return lora_reference
+    frozen = copy.deepcopy(model).eval()
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+
+    def copy_reference(input_ids, attention_mask, score_mask):
+        return scored_token_stats(frozen, input_ids, score_mask, input_ids[:, 1:][score_mask],
+                                  temperature=temperature, attention_mask=attention_mask).logprobs
+
+    return copy_reference
+
+
+def replay_sft_backward(model: torch.nn.Module, samples: list[SFTSample], tokenizer, runtime: Runtime, *,
+                        coef: float, max_length: int, reasoning: str, micro_batch_size: int) -> dict[str, float]:
+    """Accumulate ``coef * mean token cross-entropy`` over the replay demonstrations into the gradients (the
+    caller's optimizer step applies it together with the RL loss)."""
+    tokenized = tokenize_samples(samples, tokenizer, max_length, reasoning).samples
+    if not tokenized:
+        return {}
+    rows = [Row(s.input_ids, s.loss_mask, list(range(len(s))), [0] * len(s)) for s in tokenized]
+    batches = [collate(rows[i : i + micro_batch_size], tokenizer.pad_token_id, device=runtime.device)
+               for i in range(0, len(rows), micro_batch_size)]
+    trained = sum(int((batch["labels"] != -100).sum()) for batch in batches)
+    if trained == 0:
+        return {}
+    model.train()
+    total = 0.0
+    for batch in batches:
+        with runtime.autocast():
+            summed, _ = sft_loss_sum(model, batch)
+        (coef * summed / trained).backward()
+        total += float(summed.detach())
+    return {"guard/replay_loss": total / trained, "guard/replay_tokens": float(trained),
+            "guard/replay_samples": float(len(rows))}
+
+
+def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, base_lrs: list[float], scale: float) -> None:
+    """Scale the learning rate of a `LambdaLR` schedule from now on (the schedule's shape is kept)."""
+    scheduler.base_lrs = [lr * scale for lr in base_lrs]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
