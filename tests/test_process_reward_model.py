@@ -14,7 +14,7 @@ from test_envs_scripted import ScriptedEngine
 
 from posttrain.config import ProcessRewardModelConfig, RMRecipe
 from posttrain.envs import rollout_episode
-from posttrain.rl.learned_reward import ProcessRewardModel, turn_ends
+from posttrain.rl.learned import ProcessRewardModel, turn_ends
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.train.reward_model import run_rm
 from posttrain.types import SamplingParams

@@ -16,8 +16,7 @@ from posttrain.config import ConfigError, load_recipe
 from posttrain.config.rl import ReturnConfig, RewardModelConfig, RLRecipe
 from posttrain.models import ScalarRewardModel, build_tiny_model, load_reward_model, save_reward_model
 from posttrain.rl.advantages import gae_advantages, whiten
-from posttrain.rl.critic import make_critic
-from posttrain.rl.learned_reward import LEARNED_REWARD_KEY, LearnedReward
+from posttrain.rl.learned import LEARNED_REWARD_KEY, LearnedReward, make_critic
 from posttrain.rl.advantages import episode_return
 from posttrain.rl.update import UpdateSettings, collate_trajectories, rl_update
 from posttrain.rl.trainer import run_rl

@@ -155,7 +155,7 @@ def test_a_sequence_classifier_from_elsewhere_scores_and_inits_the_critic(tmp_pa
 
     from posttrain.config.rl import RLRecipe
     from posttrain.models import build_tiny_model
-    from posttrain.rl.critic import make_critic
+    from posttrain.rl import make_critic
     from posttrain.train import Runtime
 
     recipe = RLRecipe.model_validate({"algorithm": {"advantage": "gae"}, "critic": {"path": str(directory)}})

@@ -16,8 +16,7 @@ from posttrain.rl.advantages import (
 )
 from posttrain.rl.answer_sampling import EngineAnswerSampler
 from posttrain.rl.backend import RLBackend, local_backend
-from posttrain.rl.critic import Critic, make_critic
-from posttrain.rl.learned_reward import LearnedReward
+from posttrain.rl.learned import Critic, LearnedReward, make_critic
 from posttrain.rl.guarding import RunGuard
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
 from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test

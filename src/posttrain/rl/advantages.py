@@ -8,7 +8,7 @@ recipe asks for), then its advantage (group-relative estimators, or per-token GA
            - token_cost * policy tokens                (shorter is better)
            + process_weight * process reward           (the environment's per-step judgement, if any)
            + learned                                   (the recipe's `reward_model:` weight x its score,
-                                                        when one is configured: `rl.learned_reward`)
+                                                        when one is configured: `rl.learned`)
            + overlong penalty                          (DAPO's soft penalty: 0 up to L - B tokens, then
                                                         linear down to -penalty at the limit L)
 

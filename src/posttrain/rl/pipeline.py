@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 from posttrain.config import DynamicSamplingConfig, RLRecipe
 from posttrain.envs import judging_wall_seconds
-from posttrain.rl.learned_reward import LEARNED_REWARD_KEY
+from posttrain.rl.learned import LEARNED_REWARD_KEY
 from posttrain.schedule import DROPPED_KEY, TaskSampler, group_outcome, is_dropped, is_kept, split_groups
 from posttrain.types import FailureClass, SamplingParams, Task, Trajectory
 

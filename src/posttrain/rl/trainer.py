@@ -10,7 +10,7 @@ One iteration (`_iteration`, the whole of it in one function):
     returns     each trainable episode's return (`rl.advantages.episode_return`: the verifier's outcome, costs,
                 shaping, a learned reward component when the recipe has `reward_model:`)
     advantages  group-relative (`compute_advantages`), or with `algorithm.advantage: gae` per-token GAE from the
-                critic's values (`rl.critic`), which trains beside the policy
+                critic's values (`rl.learned.Critic`), which trains beside the policy
     update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.update.rl_update`, its settings one
                 `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
     weights     the new version published to the engine(s)
@@ -52,8 +52,7 @@ from posttrain.rl.advantages import (
     with_rewards,
 )
 from posttrain.rl.backend import BackendFactory, RLBackend, local_backend
-from posttrain.rl.critic import Critic, make_critic
-from posttrain.rl.learned_reward import LearnedReward, ProcessRewardModel
+from posttrain.rl.learned import Critic, LearnedReward, ProcessRewardModel, make_critic
 from posttrain.rl.pipeline import (
     BatchProducer,
     RolloutBatch,

@@ -24,7 +24,7 @@ Truncated importance sampling (Yao et al., 2025): when `old_logprobs` are the tr
 log-probs, samples drawn by another numeric path (the inference engine) or an older policy are reweighted
 by w_t = min(exp(proximal_t - behaviour_t), cap), detached.
 
-The critic of PPO with GAE (`rl.critic`) regresses its values V on the targets G with PPO's clipped value loss:
+The critic of PPO with GAE (`rl.learned.Critic`) regresses its values V on the targets G with PPO's clipped value loss:
 V_clip = V_old + clip(V - V_old, -c, c), l_t = 1/2 max((V - G)^2, (V_clip - G)^2), so one update cannot move a
 value further than c from the one the advantages were computed with (unless that brings it closer to G).
 

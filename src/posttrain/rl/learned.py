@@ -1,22 +1,45 @@
-"""PPO's learned critic (`algorithm.advantage: gae`): a value model, its own optimizer, its checkpoint.
+"""The models learned beside the verifiers: a reward model and a process reward model, parts of the RL return, and
+PPO's critic, the values GAE needs. All three are scalar-head models of the reward-model format (`posttrain rm`,
+or any one-label `AutoModelForSequenceClassification`), loaded by `load_scorer`, which checks that their token ids
+mean what the policy's mean.
 
-The critic is a causal LM trunk with a scalar head read at every position (`ScalarRewardModel.token_values`):
-the value of the state before policy token t+1 is read at position t, where the policy's logits for that token
-are read too. Observation tokens of agentic episodes are context only: no value is read before them and they
-carry no value target (`rl.advantages` defines the chain GAE runs over). It starts as a copy of the policy with
-a value head at 0 (every value 0: the first advantages are the plain returns), or from a reward model saved by
-`posttrain rm` or any `AutoModelForSequenceClassification` with one label (`critic.path`: its trunk and head, the
-head then read at every token).
+**The reward model** (the recipe's `reward_model:`, `LearnedReward`), beside the verifiers:
 
-One batch: `values` (no gradient) before any update -> GAE -> the policy update and `update` here, which regresses
-the values on the GAE targets with the clipped value loss (`train.policy_loss.clipped_value_loss`) in the
-same mini-batches and micro-batches as the policy (`train.updates_per_batch`, `train.micro_batch_size`); the
+    return = outcome (the verifier's score) + weight * r_RM(token ids) + the other parts of `rl.advantages`
+
+The reward model scores exactly the token ids the policy saw and produced — `Trajectory.token_ids`, the prompt,
+the completion and (agentic episodes) the observations between turns, never re-tokenized text — at the last
+token. Only trajectories that reach the trainer are scored: infrastructure failures stay masked (never scored),
+and groups the producer dropped are not trained on. Scoring runs on the trainer's side, a batched forward
+without gradients, so the reward model takes no part in rollouts.
+
+The verifier's score stays the episode's score (pass rates, the curriculum and the guard read it); the learned
+part is reported beside it: ``reward/verifier`` and ``reward/learned`` (mean raw, normalised score over the scored
+trajectories), ``return/learned`` (weighted), and ``learned_reward`` in each scored episode's record.
+
+**The process reward model** (the recipe's `process_reward_model:`, `ProcessRewardModel`) is the same kind of model
+used per step: it scores each policy turn of a trajectory -- the token ids from the start up to the last token of
+that turn -- and the mean over the turns becomes the reward's ``process`` component (the per-turn scores in
+``details["step_scores"]``), in place of the environment's step rewards; ``returns.process_weight`` weighs it into
+the return (`rl.advantages`).
+
+**PPO's critic** (`algorithm.advantage: gae`, `Critic`): a value model, its own optimizer, its checkpoint. It is a
+causal LM trunk with a scalar head read at every position (`ScalarRewardModel.token_values`): the value of the
+state before policy token t+1 is read at position t, where the policy's logits for that token are read too.
+Observation tokens of agentic episodes are context only: no value is read before them and they carry no value
+target (`rl.advantages` defines the chain GAE runs over). It starts as a copy of the policy with a value head at 0
+(every value 0: the first advantages are the plain returns), or from a reward model (`critic.path`: its trunk and
+head, the head then read at every token).
+
+One batch: `values` (no gradient) before any update -> GAE -> the policy update and `Critic.update`, which
+regresses the values on the GAE targets with the clipped value loss (`train.policy_loss.clipped_value_loss`) in
+the same mini-batches and micro-batches as the policy (`train.updates_per_batch`, `train.micro_batch_size`); the
 loss is the token mean over each mini-batch, times `critic.value_coef`.
 
 Checkpoints: the critic's weights go into ``critic/`` inside the policy's checkpoint directory (the reward-model
-format: an `AutoModelForSequenceClassification` directory, loadable by `load_reward_model`), its optimizer and LR
-schedule into the training state under ``"critic"``; the finished critic into ``<output_dir>/critic``. The
-critic trains in the process that runs the RL loop (under `posttrain.distributed`: the driver), unsharded.
+format, loadable by `load_reward_model`), its optimizer and LR schedule into the training state under
+``"critic"``; the finished critic into ``<output_dir>/critic``. The critic trains in the process that runs the RL
+loop (under `posttrain.distributed`: the driver), unsharded.
 """
 
 from __future__ import annotations
@@ -27,16 +50,17 @@ from typing import Any, Sequence
 
 import torch
 
-from posttrain.config import RLRecipe
+from posttrain.config import ConfigError, ProcessRewardModelConfig, RewardModelConfig, RLRecipe
 from posttrain.models import (
     ModelError,
+    RewardModel,
     ScalarRewardModel,
     disable_dropout,
     is_lora,
+    load_reward_model,
     merged_copy,
     save_reward_model,
 )
-from posttrain.rl.learned_reward import load_scorer
 from posttrain.rl.update import collate_trajectories, mini_batches, set_lr_scale
 from posttrain.train import (
     Runtime,
@@ -47,6 +71,77 @@ from posttrain.train import (
     optimizer_step,
 )
 from posttrain.types import Trajectory
+
+LEARNED_REWARD_KEY = "learned_reward"  # in Trajectory.metadata and the episode record: the (normalised) score
+
+
+def load_scorer(path: str | Path, tokenizer: Any, device: torch.device, *, key: str, normalize: bool = False,
+                batch_size: int = 32) -> RewardModel:
+    """A saved reward model whose token ids mean what the policy's mean (else the scores are of other text)."""
+    model = load_reward_model(path, device=device, normalize=normalize, batch_size=batch_size)
+    if model.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{key}: {path} was trained with another tokenizer than the policy's: it would score "
+                          "other text than the policy wrote (train the reward model from the policy's tokenizer)")
+    return model
+
+
+class LearnedReward:
+    """The recipe's `reward_model:` section, loaded: scores trajectories and notes the score on each."""
+
+    def __init__(self, config: RewardModelConfig, tokenizer: Any, device: torch.device):
+        self.config = config
+        self.model = load_scorer(config.path, tokenizer, device, key="reward_model.path",
+                                 normalize=config.normalize, batch_size=config.batch_size)
+
+    def annotate(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Score `trajectories` (the batch's trainable ones), keep each score in its metadata; the metrics."""
+        if not trajectories:
+            return {}
+        scores = self.model.score_ids([list(t.token_ids) for t in trajectories])
+        for trajectory, score in zip(trajectories, scores):
+            trajectory.metadata[LEARNED_REWARD_KEY] = score
+        return {"reward/verifier": sum(t.reward.score for t in trajectories) / len(trajectories),
+                "reward/learned": sum(scores) / len(scores)}
+
+    def weighted(self, trajectory: Trajectory) -> float | None:
+        """The return's learned part of a scored trajectory (None if it was not scored)."""
+        score = trajectory.metadata.get(LEARNED_REWARD_KEY)
+        return None if score is None else self.config.weight * float(score)
+
+
+def turn_ends(loss_mask: Sequence[int]) -> list[int]:
+    """The exclusive end of every run of policy tokens (one per policy turn), in order."""
+    return [i + 1 for i, flag in enumerate(loss_mask) if flag and (i + 1 == len(loss_mask) or not loss_mask[i + 1])]
+
+
+class ProcessRewardModel:
+    """The recipe's `process_reward_model:` section, loaded: scores each policy turn, sets the process component."""
+
+    def __init__(self, config: ProcessRewardModelConfig, tokenizer: Any, device: torch.device):
+        self.config = config
+        self.model = load_scorer(config.path, tokenizer, device, key="process_reward_model.path",
+                                 normalize=config.normalize, batch_size=config.batch_size)
+
+    def annotate(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        prefixes, owners = [], []
+        for index, trajectory in enumerate(trajectories):
+            for end in turn_ends(trajectory.loss_mask):
+                prefixes.append(list(trajectory.token_ids[:end]))
+                owners.append(index)
+        if not prefixes:
+            return {}
+        scores = self.model.score_ids(prefixes)
+        per_trajectory: dict[int, list[float]] = {}
+        for owner, score in zip(owners, scores):
+            per_trajectory.setdefault(owner, []).append(float(score))
+        for index, step_scores in per_trajectory.items():
+            reward = trajectories[index].reward
+            reward.components["process"] = sum(step_scores) / len(step_scores)
+            reward.details["step_scores"] = step_scores
+        return {"reward/process_model": sum(scores) / len(scores)}
+
+
+# ---- PPO's critic -------------------------------------------------------------------------------------------------
 
 CRITIC_DIR = "critic"
 
