@@ -304,7 +304,7 @@ def test_the_parity_check_reads_packed_rows_sample_by_sample():
 
 
 def test_the_bf16_self_test_fails_a_missing_soft_cap(tiny_tokenizer, monkeypatch):
-    from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
+    from posttrain.rl import SelfTestError, engine_trainer_self_test
     from posttrain.tasks import get_domain, sample_tasks
     from posttrain.train.step import Runtime
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from posttrain.config.rl import DomainConfig, RLRecipe
 from posttrain.models import build_tiny_model
-from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
+from posttrain.rl import SelfTestError, engine_trainer_self_test
 from posttrain.rl.trainer import run_rl
 from posttrain.tasks import domain
 from posttrain.tasks.base import task_id

@@ -14,12 +14,16 @@ from posttrain.rl.advantages import (
     reward_terms,
     with_rewards,
 )
-from posttrain.rl.answer_sampling import EngineAnswerSampler
-from posttrain.rl.backend import RLBackend, local_backend
+from posttrain.rl.backend import (
+    EngineAnswerSampler,
+    RLBackend,
+    SelfTestError,
+    engine_trainer_self_test,
+    local_backend,
+)
 from posttrain.rl.learned import Critic, LearnedReward, make_critic
 from posttrain.rl.guarding import RunGuard
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
-from posttrain.rl.selftest import SelfTestError, engine_trainer_self_test
 from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
 from posttrain.rl.pipeline import engine_rollout

@@ -1,9 +1,32 @@
-"""Where the RL policy trains and where its rollouts come from: the `RLBackend` seam.
+"""Where the RL policy trains and where its rollouts come from (the `RLBackend` seam), and the engine beside a
+policy: the start-up self-test that the two run the same policy, and verified answers sampled on it.
 
 `run_rl` uses `local_backend`: the model, its optimizer and schedule in this process (`rl.update.LocalPolicy`), an
 `HFEngine` holding its own copy of the weights beside it (`make_engine`; on a CPU the two share the cores:
 `split_cpu_threads`), rollouts on the pipeline's producer thread. `posttrain.distributed` builds another backend
 (engine actors, an FSDP trainer group) and the loop in `rl.trainer` stays the same.
+
+**The self-test** (`engine_trainer_self_test`): do the engine and the trainer agree on what the policy is? Before
+the first step the trainer pushes its weights to the engine, samples a fixed batch, re-scores those exact tokens
+with its own forward pass and compares log-probs. A gap beyond the tolerance means the two are not running the
+same policy — weights that never reached the engine, a LoRA adapter left out of the pushed weights, a different
+chat template or tokenizer, a numeric path far off — and the run stops before it trains on garbage. The same
+comparison is logged every step (`gap_*` metrics) from the training forward. The default tolerance follows the
+precision in use (`train.forward.logprob_tolerance`): 1e-3 in fp32; in bf16 a few bf16 epsilons per unit of the
+largest |logit|, from the noise measured between two bf16 forwards of the same model — not a flat allowance that
+would also pass a different function (a missing soft-cap).
+
+**Verified answers to task prompts** (`EngineAnswerSampler`): the `train.AnswerSampler` the distillation recipe
+is given (it sits below `rollout` and `tasks`, so it cannot build one itself).
+
+    sampler = EngineAnswerSampler(recipe.tasks, seed=recipe.runtime.seed)
+    answers = sampler(teacher, tokenizer, role="teacher", count=256, draw=0)     # list[Trajectory], verified
+
+Each call draws `count` fresh tasks of the configured domains (spread by weight, at their levels, from `split`),
+seeded by (seed, draw, domain), and runs one episode per task and sample through `envs.run_episodes`, so every
+answer is judged by its task's own verifier, as in RL and eval. One `HFEngine` per role: the teacher's runs on the
+teacher model itself (frozen); the student's on a copy, into which the student's current weights are pushed on
+every call (version = draw), so an on-policy sample always comes from the weights being trained.
 """
 
 from __future__ import annotations
@@ -14,11 +37,16 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config import RLRecipe
+from posttrain.config import DistillTasksConfig, RLRecipe
+from posttrain.data import prompt_ids
+from posttrain.envs import run_episodes
 from posttrain.models import is_lora, merged_copy
 from posttrain.rl.pipeline import RolloutFn, engine_rollout
 from posttrain.rl.update import LocalPolicy, PolicyTrainer
-from posttrain.train import Runtime
+from posttrain.rollout import HFEngine, state_for_engine
+from posttrain.tasks import TaskError, get_domain, sample_tasks
+from posttrain.train import Runtime, logprob_gap_stats, logprob_tolerance, selected_logits, target_logprobs
+from posttrain.types import GenerationRequest, PosttrainError, SamplingParams, Task, Trajectory
 
 
 @dataclass
@@ -95,3 +123,103 @@ def thread_budget(threads: int | None) -> Callable[[], None] | None:
         torch.set_num_threads(threads)
 
     return setup
+
+
+# ---- the start-up self-test: the engine and the trainer run the same policy -----------------------------------------
+
+class SelfTestError(PosttrainError):
+    """The engine and the trainer disagree about the policy's log-probs."""
+
+
+@torch.no_grad()
+def engine_trainer_self_test(
+    engine: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    tasks: list[Task],
+    runtime: Runtime,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    tolerance: float | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Sample `tasks` with the engine, re-score with the trainer; raise `SelfTestError` past `tolerance`."""
+    prompts = prompt_ids(tokenizer, [task.messages for task in tasks])
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    completions = engine.generate([GenerationRequest(p) for p in prompts], sampling)
+    trainer, behaviour, top = [], [], 0.0
+    was_training = model.training
+    model.eval()
+    for prompt, (completion,) in zip(prompts, completions):
+        if not completion.token_ids:
+            continue
+        ids = torch.tensor([prompt + completion.token_ids], device=runtime.device)
+        select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=runtime.device)
+        select[0, len(prompt) - 1 :] = True
+        with runtime.autocast():
+            logits = selected_logits(model, ids, select)
+        top = max(top, float(logits.abs().max()))
+        trainer.append(target_logprobs(logits, ids[0, len(prompt):], temperature if temperature > 0 else 1.0))
+        behaviour.append(torch.tensor(completion.logprobs, device=runtime.device))
+    model.train(was_training)
+    if not trainer:
+        raise SelfTestError("self-test: the engine returned no tokens for the test prompts")
+    stats = logprob_gap_stats(torch.cat(trainer).float(), torch.cat(behaviour).float())
+    tolerance = tolerance if tolerance is not None else logprob_tolerance(runtime.autocast_dtype, top)
+    if stats["gap_abs_max"] > tolerance:
+        raise SelfTestError(
+            f"self-test: engine and trainer log-probs differ by up to {stats['gap_abs_max']:.4g} "
+            f"(mean {stats['gap_abs_mean']:.3g}, tolerance {tolerance:.3g}): the engine is not running the trainer's "
+            "policy (weights not pushed? adapter missing? a different tokenizer or chat template?). "
+            "Set pipeline.self_test_tolerance to accept a larger numeric gap."
+        )
+    return stats
+
+
+# ---- verified answers on the built-in engine (distillation's sampler) ----------------------------------------------
+
+class EngineAnswerSampler:
+    def __init__(self, tasks: DistillTasksConfig, *, seed: int = 0, autocast: torch.dtype | None = None):
+        self.config, self.seed, self.autocast = tasks, seed, autocast
+        self.domains = [(spec, get_domain(spec.name, **spec.args)) for spec in tasks.domains]
+        self._engines: dict[str, HFEngine] = {}
+
+    def tasks(self, count: int, draw: int, split: str = "train") -> list[Task]:
+        """`count` tasks spread over the domains by weight (largest remainders first), deterministic in the draw."""
+        weights = [spec.weight for spec, _ in self.domains]
+        shares = [count * w / max(sum(weights), 1e-12) for w in weights]
+        counts = [int(share) for share in shares]
+        for index in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[: count - sum(counts)]:
+            counts[index] += 1
+        drawn: list[Task] = []
+        for index, ((spec, domain), share) in enumerate(zip(self.domains, counts)):
+            if not share:
+                continue
+            seed = self.seed * 1_000_003 + draw * 101 + index
+            try:
+                drawn += sample_tasks(domain, share, level=spec.levels, split=split, seed=seed)
+            except TaskError:
+                # Levels with fewer distinct problems than asked for (level 1 of arithmetic: ~10 held out):
+                # repeats are still fresh samples of the answer, so draw with replacement.
+                drawn += sample_tasks(domain, share, level=spec.levels, split=split, seed=seed, unique=False)
+        return drawn
+
+    def __call__(self, model: torch.nn.Module, tokenizer: Any, *, role: str, count: int, draw: int, n: int = 1,
+                 split: str = "train") -> list[Trajectory]:
+        engine = self._engine(role, model, tokenizer)
+        if role == "student":
+            engine.update_weights(state_for_engine(model), version=draw)
+        sampling = SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
+                                  seed=self.seed * 1_000_003 + draw)
+        return run_episodes(engine, self.tasks(count, draw, split), tokenizer, sampling, n=n)
+
+    def _engine(self, role: str, model: torch.nn.Module, tokenizer: Any) -> HFEngine:
+        if role not in self._engines:
+            if role == "teacher":
+                own = model  # frozen: the engine may share it with the loss
+            else:
+                own = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+            self._engines[role] = HFEngine(own, tokenizer, autocast=self.autocast,
+                                           max_batch_size=self.config.engine_batch_size)
+        return self._engines[role]

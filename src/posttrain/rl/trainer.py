@@ -51,7 +51,7 @@ from posttrain.rl.advantages import (
     whiten,
     with_rewards,
 )
-from posttrain.rl.backend import BackendFactory, RLBackend, local_backend
+from posttrain.rl.backend import BackendFactory, RLBackend, engine_trainer_self_test, local_backend
 from posttrain.rl.learned import Critic, LearnedReward, ProcessRewardModel, make_critic
 from posttrain.rl.pipeline import (
     BatchProducer,
@@ -66,7 +66,6 @@ from posttrain.rl.pipeline import (
 )
 from posttrain.evaluate import SuiteScore
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
-from posttrain.rl.selftest import engine_trainer_self_test
 from posttrain.rl.starting_model import starting_tokenizer
 from posttrain.rl.update import PolicyTrainer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
