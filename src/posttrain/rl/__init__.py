@@ -1,5 +1,13 @@
-"""Reinforcement learning with verifiable rewards: returns and advantages, the RL update, the rollout pipeline,
-the forgetting guard and the recipe that runs them (`posttrain rl`; docs/rl.md; the loop: `rl.trainer`).
+"""Reinforcement learning with verifiable rewards: the recipe (`posttrain rl`; docs/rl.md) in seven modules that
+read in the order of one step (`rl.trainer._iteration`: batch -> returns -> advantages -> update -> weights -> guard):
+
+    trainer      the recipe, top to bottom: tokenizer and policy -> backend -> self-test -> iterations -> checkpoint
+    pipeline     batch: rollouts ahead of training by a bounded staleness, dynamic sampling, what is recorded
+    advantages   returns (outcome, costs, shaping, reward terms) and the advantage estimators (group-relative, GAE)
+    learned      the learned models: a reward model and a process reward model in the return, PPO's critic
+    update       the update (`UpdateSettings`, `rl_update`) and the policy that takes it (`LocalPolicy`)
+    backend      where the policy trains and rollouts run (`RLBackend`), its engine, the start-up self-test
+    guarding     the forgetting guard and collapse alarms; its suites evaluated through `posttrain.evaluate`
 
     from posttrain.rl import run_rl
     result = run_rl(load_recipe("rl.yaml", schema=RLRecipe))
@@ -21,13 +29,11 @@ from posttrain.rl.backend import (
     engine_trainer_self_test,
     local_backend,
 )
-from posttrain.rl.learned import Critic, LearnedReward, make_critic
 from posttrain.rl.guarding import RunGuard
-from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, episode_record
+from posttrain.rl.learned import Critic, LearnedReward, make_critic
+from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, engine_rollout, episode_record
+from posttrain.rl.trainer import RLResult, run_rl, run_rl_on, starting_tokenizer
 from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
-from posttrain.rl.trainer import RLResult, run_rl, run_rl_on
-from posttrain.rl.pipeline import engine_rollout
-from posttrain.rl.starting_model import starting_tokenizer
 
 __all__ = [
     "BatchProducer",

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-
 from posttrain.config import ConfigError, RLRecipe, dump_recipe
-from posttrain.models import load_model, save_model_dir
+from posttrain.evaluate import SuiteScore
+from posttrain.models import load_model, load_tokenizer, save_model_dir
 from posttrain.rl.advantages import (
     compute_advantages,
     episode_return,
@@ -64,12 +64,10 @@ from posttrain.rl.pipeline import (
     sampling_params,
     select_trainable,
 )
-from posttrain.evaluate import SuiteScore
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
-from posttrain.rl.starting_model import starting_tokenizer
 from posttrain.rl.update import PolicyTrainer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
-from posttrain.tasks import get_domain, sample_tasks
+from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
 from posttrain.train import Runtime, find_checkpoint, prepare_model, restore_training, setup_runtime, write_checkpoint
 from posttrain.types import Task, Trajectory
@@ -78,6 +76,7 @@ from posttrain.usercode import import_all
 EPISODES_FILE = "episodes.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
 SUMMARY_FILE = "schedule_summary.json"
+CORPUS_TASKS_PER_DOMAIN = 64  # tasks per domain whose text trains a fresh built-in model's tokenizer
 
 
 @dataclass
@@ -156,7 +155,7 @@ def run_rl_on(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
-    # Policy (model.path, or a fresh built-in model: rl.starting_model), engine(s) with their own copy of the
+    # Policy (model.path, or a fresh built-in model: `starting_tokenizer`), engine(s) with their own copy of the
     # weights, reference (only when the KL term is on).
     tokenizer = starting_tokenizer(recipe)
     model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
@@ -465,7 +464,41 @@ def _ppo_update(run: _Run, trajectories: list, returns: list[float], replay: lis
     return metrics
 
 
-# ---- the self-test ------------------------------------------------------------------------------------
+# ---- the start of a run: the tokenizer, the self-test's tasks ------------------------------------------------
+
+def starting_tokenizer(recipe: RLRecipe) -> Any:
+    """The tokenizer of the model an RL run starts from: `model.path` (a local directory or a hub id), or the
+    built-in tiny model.
+
+    With `model.path` unset the run starts from a fresh built-in tiny model whose tokenizer is trained on the text of
+    the recipe's domains (their prompts and, where a domain has them, demonstrations), so a packaged recipe runs as
+    it is on a laptop. A fresh model knows nothing: its rewards start near zero, and the run exercises the pipeline
+    (rollouts, verifiers, sandboxes, updates) rather than teaching much; start from a trained model
+    (`model.path=runs/.../final`) to learn. The corpus is drawn with fixed seeds, so a resumed run trains the same
+    tokenizer again."""
+    if recipe.model.path is not None or recipe.model.tokenizer_path is not None:
+        return load_tokenizer(recipe.model)
+    say(f"[rl] model.path is unset: starting from a fresh built-in {recipe.model.preset} model (it has learned "
+        "nothing yet; set model.path to a trained model to learn from the rewards)")
+    return load_tokenizer(recipe.model, corpus=domain_corpus(recipe))
+
+
+def domain_corpus(recipe: RLRecipe) -> list[str]:
+    """Prompts and demonstrations of every domain of the recipe (train split, fixed seeds)."""
+    texts: list[str] = []
+    for spec in recipe.domains:
+        source = get_domain(spec.name, **spec.args)
+        for task in sample_tasks(source, CORPUS_TASKS_PER_DOMAIN, level=spec.levels, split="train", seed=11,
+                                 unique=False):
+            texts += [str(m.get("content") or "") for m in task.messages]
+            try:
+                sample = source.demonstration(task)
+            except (TaskError, KeyError, NotImplementedError):
+                continue  # a dataset without solutions: its prompts only
+            texts += [str(m.get("content") or "") for m in sample.messages]
+            texts.append(sample.metadata.reasoning_trace or "")
+    return texts
+
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
     """A few fixed train tasks for the self-test (drawn apart from the run's own sampler)."""
