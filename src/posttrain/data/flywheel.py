@@ -1,6 +1,6 @@
 """The data flywheel: verified episodes (from RL runs or sampling) -> preference pairs and SFT samples.
 
-An episode record is one line of a run's `episodes.jsonl` (`posttrain.rl.trainer.episode_record`): the task id,
+An episode record is one line of a run's `episodes.jsonl` (`posttrain.rl.episode_record`): the task id,
 domain, difficulty, the verdict (`passed`, `score`, `failure`) and the full transcript (`messages`).
 
 * `episodes_to_pairs`: for each task with both a verified success and a model failure, pairs a success
