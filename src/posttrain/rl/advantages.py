@@ -56,12 +56,13 @@ batch, r -> (r - mean_domain) / (std_domain + eps).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
 from posttrain.config import RLRecipe, ReturnConfig
-from posttrain.types import Task, Trajectory
+from posttrain.rl.pipeline import RolloutFn
+from posttrain.types import SamplingParams, Task, Trajectory
 from posttrain.verify import check_terms, with_reward_terms
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "batch_norm"]
@@ -202,16 +203,13 @@ def reward_terms(recipe: RLRecipe) -> list[dict[str, Any]]:
     return terms
 
 
-RolloutFn = Callable[[list[Task], Any], list[Trajectory]]
-
-
 def with_rewards(rollout: RolloutFn, recipe: RLRecipe) -> RolloutFn:
     """`rollout` judging every task by the recipe's reward terms (unchanged when it has none)."""
     terms = reward_terms(recipe)
     if not terms:
         return rollout
 
-    def run(tasks: list[Task], sampling: Any) -> list[Trajectory]:
+    def run(tasks: list[Task], sampling: SamplingParams) -> list[Trajectory]:
         return rollout([with_reward_terms(task, terms) for task in tasks], sampling)
 
     return run

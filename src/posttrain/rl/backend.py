@@ -31,7 +31,6 @@ every call (version = draw), so an on-policy sample always comes from the weight
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,10 +39,9 @@ import torch
 from posttrain.config import DistillTasksConfig, RLRecipe
 from posttrain.data import prompt_ids
 from posttrain.envs import run_episodes
-from posttrain.models import is_lora, merged_copy
 from posttrain.rl.pipeline import RolloutFn, engine_rollout
-from posttrain.rl.update import LocalPolicy, PolicyTrainer
-from posttrain.rollout import HFEngine, state_for_engine
+from posttrain.rl.update import LocalPolicy, PolicyTrainer, plain_copy, scoring_temperature
+from posttrain.rollout import HFEngine, VLLMEngine, load_speculation, state_for_engine
 from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.train import Runtime, logprob_gap_stats, logprob_tolerance, selected_logits, target_logprobs
 from posttrain.types import GenerationRequest, PosttrainError, SamplingParams, Task, Trajectory
@@ -100,12 +98,8 @@ def split_cpu_threads(recipe: RLRecipe, runtime: Runtime) -> int | None:
 
 def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_threads: int | None = None):
     if recipe.rollout.engine == "vllm":
-        from posttrain.rollout import VLLMEngine
-
         return VLLMEngine(recipe.model.path, tokenizer=tokenizer)
-    from posttrain.rollout import HFEngine, load_speculation
-
-    engine_model = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+    engine_model = plain_copy(model)
     for parameter in engine_model.parameters():
         parameter.requires_grad_(False)
     spec = recipe.rollout.speculative
@@ -160,7 +154,7 @@ def engine_trainer_self_test(
         with runtime.autocast():
             logits = selected_logits(model, ids, select)
         top = max(top, float(logits.abs().max()))
-        trainer.append(target_logprobs(logits, ids[0, len(prompt):], temperature if temperature > 0 else 1.0))
+        trainer.append(target_logprobs(logits, ids[0, len(prompt):], scoring_temperature(temperature)))
         behaviour.append(torch.tensor(completion.logprobs, device=runtime.device))
     model.train(was_training)
     if not trainer:
@@ -219,7 +213,7 @@ class EngineAnswerSampler:
             if role == "teacher":
                 own = model  # frozen: the engine may share it with the loss
             else:
-                own = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+                own = plain_copy(model)
             self._engines[role] = HFEngine(own, tokenizer, autocast=self.autocast,
                                            max_batch_size=self.config.engine_batch_size)
         return self._engines[role]

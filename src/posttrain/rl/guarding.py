@@ -9,8 +9,9 @@ What it watches (`regression_suites`: every domain's held-out items and the reci
 through `posttrain.evaluate` (`suite_evaluator` -> a `SuiteEvaluator`, ``evaluate(model, version)``: the same
 episodes and pass@1 as `posttrain eval`; `eval_metrics_of` names the figures the run logs). A suite's pass rate is
 over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower
-it nor trip the guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks for is the
-policy's (`rl.update.replay_sft_backward`), as is the learning-rate scale a rollback leaves (`set_lr_scale`).
+it nor trip the guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks
+for is the policy's (`rl.update.replay_sft_backward`), as is the learning-rate scale a rollback leaves
+(`set_lr_scale`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class RunGuard:
 
     def wants_baseline(self) -> bool:
         guard = self.config.guard
-        return bool(self.has_suites and guard.enabled and guard.baseline and (guard.every or self.recipe.train.eval_every))
+        every = guard.every or self.recipe.train.eval_every
+        return bool(self.has_suites and guard.enabled and guard.baseline and every)
 
     def after_eval(self, step: int, scores: dict[str, SuiteScore]) -> list[dict[str, Any]]:
         """Fold an evaluation in: the suites' pass rates (infrastructure failures left out; a suite with nothing

@@ -44,7 +44,6 @@ loop (under `posttrain.distributed`: the driver), unsharded.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -56,12 +55,10 @@ from posttrain.models import (
     RewardModel,
     ScalarRewardModel,
     disable_dropout,
-    is_lora,
     load_reward_model,
-    merged_copy,
     save_reward_model,
 )
-from posttrain.rl.update import collate_trajectories, mini_batches, set_lr_scale
+from posttrain.rl.update import collate_trajectories, mini_batches, plain_copy, set_lr_scale
 from posttrain.train import (
     Runtime,
     build_optimizer,
@@ -244,7 +241,7 @@ def make_critic(recipe: RLRecipe, policy: torch.nn.Module, tokenizer, runtime: R
     if recipe.critic.path is not None:
         model = load_scorer(recipe.critic.path, tokenizer, runtime.device, key="critic.path").model
     else:
-        trunk = merged_copy(policy) if is_lora(policy) else copy.deepcopy(policy)
+        trunk = plain_copy(policy)
         head = torch.nn.Linear(trunk.config.hidden_size, 1, bias=False)
         torch.nn.init.zeros_(head.weight)
         model = ScalarRewardModel.from_causal_lm(trunk.to(runtime.device), head)

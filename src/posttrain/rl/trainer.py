@@ -164,16 +164,17 @@ def run_rl_on(
     learned = LearnedReward(recipe.reward_model, tokenizer, runtime.device) if recipe.reward_model else None
     backend = make_backend(recipe, runtime, tokenizer, model)
     try:
-        return _train(recipe, backend, runtime, tokenizer, output_dir, resume, sampler, on_step, learned, critic)
+        return _train(recipe, backend, runtime, tokenizer, output_dir, resume=resume, sampler=sampler, on_step=on_step,
+                      learned_reward=learned, critic=critic)
     finally:
         backend.policy.close()
         if backend.close is not None:
             backend.close()
 
 
-def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, resume: bool,
-           sampler: TaskSampler | None, on_step, learned_reward: LearnedReward | None = None,
-           critic: Critic | None = None) -> RLResult:
+def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, *, resume: bool,
+           sampler: TaskSampler | None, on_step, learned_reward: LearnedReward | None,
+           critic: Critic | None) -> RLResult:
     sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
     suites = regression_suites(recipe)
     run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime,

@@ -39,7 +39,7 @@ import torch
 
 from posttrain.config import PolicyLossConfig, RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
-from posttrain.models import is_lora, load_weights_from_checkpoint, reference_mode
+from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
 from posttrain.train import (
     DataParallel,
     LOCAL,
@@ -86,9 +86,13 @@ class UpdateSettings:
 
 
 def train_temperature(recipe: RLRecipe) -> float:
-    """The temperature log-probs are scored at: the sampling temperature (1 for greedy sampling)."""
-    temperature = recipe.rollout.sampling.temperature
-    return temperature if temperature > 0 else 1.0
+    """The temperature the recipe's log-probs are scored at."""
+    return scoring_temperature(recipe.rollout.sampling.temperature)
+
+
+def scoring_temperature(sampling_temperature: float) -> float:
+    """Log-probs are scored at the temperature the tokens were sampled at; greedy sampling (0) scores at 1."""
+    return sampling_temperature if sampling_temperature > 0 else 1.0
 
 
 class PolicyTrainer(Protocol):
@@ -211,7 +215,8 @@ def rl_update(
     for mini in minis:
         if not mini:
             continue
-        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference, proximal, parallel)
+        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference=reference,
+                                      proximal=proximal, parallel=parallel)
         largest_micro = max(largest_micro, int(stats.pop("micro_batch_tokens")))
         stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
         for key, value in stats.items():
@@ -222,7 +227,7 @@ def rl_update(
     return out
 
 
-def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings,
+def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings, *,
                           reference: ReferenceFn | None, proximal: dict[int, torch.Tensor] | None,
                           parallel: DataParallel) -> dict[str, float]:
     """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
@@ -397,6 +402,11 @@ def mini_batches(trajectories: Sequence[Trajectory], updates_per_batch: int) -> 
 
 
 # ---- what the policy serves, its reference, the guard's replay loss and learning-rate scale ---------------
+
+
+def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the policy's whole function as a plain model: LoRA's adapter merged in, else a deep copy."""
+    return merged_copy(model) if is_lora(model) else copy.deepcopy(model)
 
 
 def engine_state(model: torch.nn.Module, copy: bool = False) -> dict[str, torch.Tensor]:
