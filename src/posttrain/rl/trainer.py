@@ -1,4 +1,5 @@
-"""The RL recipe, top to bottom: recipe -> policy + engine -> self-test -> iterations -> checkpoint.
+"""The RL recipe, top to bottom: recipe -> tokenizer (`starting_tokenizer`) and policy -> backend (the engine beside
+it) -> self-test -> iterations -> checkpoint.
 
     posttrain rl recipe.yaml [--resume]
 
