@@ -163,13 +163,29 @@ def test_context_limit_truncates(tiny_tokenizer, calc_task):
 
 
 def test_episode_timeout(tiny_tokenizer, calc_task):
-    calc_task.timeout_s = 0.3
-    script = [call("calculator", expression=calc_task.metadata["expression"]), answer_of(calc_task) + END]
-    engine = ScriptedEngine(tiny_tokenizer, script, delay_s={1: 1.0})  # the second turn takes too long
-    trajectory = run(engine, calc_task, tiny_tokenizer)
-    assert trajectory.wall_s < 0.9  # the episode did not wait for the slow turn (its thread finishes later)
+    @tool("slow_calculator", "A calculator that takes a second.", {"type": "object", "properties": {}})
+    async def slow_calculator(ctx):
+        await asyncio.sleep(1.0)
+        return "6"
+
+    calc_task.timeout_s, calc_task.tools = 0.3, ["slow_calculator"]
+    script = [call("slow_calculator"), answer_of(calc_task) + END]
+    trajectory = run(ScriptedEngine(tiny_tokenizer, script), calc_task, tiny_tokenizer)
+    assert trajectory.wall_s < 0.9  # the episode did not wait for the slow tool
     assert trajectory.reward.failure is FailureClass.TIMEOUT and trajectory.metadata["timed_out"]
     assert trajectory.steps == 1 and not trajectory.reward.is_infrastructure_failure
+
+
+def test_waiting_for_the_engine_is_not_the_models_timeout(tiny_tokenizer, calc_task):
+    """A turn that waits in the engine's queue (a busy machine, a long batch) longer than the task's timeout is
+    judged on what the model wrote: the timeout bounds the environment's time, a turn is bounded by its tokens."""
+    calc_task.timeout_s = 0.3
+    script = [call("calculator", expression=calc_task.metadata["expression"]), answer_of(calc_task) + END]
+    engine = ScriptedEngine(tiny_tokenizer, script, delay_s={0: 0.5, 1: 0.5})  # each turn waits 0.5 s
+    trajectory = run(engine, calc_task, tiny_tokenizer)
+    assert trajectory.wall_s > 1.0 and trajectory.steps == 2
+    assert trajectory.reward.passed and trajectory.reward.failure is FailureClass.NONE
+    assert not trajectory.metadata["timed_out"]
 
 
 def test_engine_failure_is_infra_never_a_trainable_zero(tiny_tokenizer, calc_task):

@@ -7,7 +7,11 @@
 One episode: make the task's environment, reset it, tokenize the prompt once, then up to ``task.max_steps`` turns
 of (the policy samples a turn from the exact token sequence so far; the env executes it; its observation is
 appended as chat-template delta tokens, see `posttrain.envs.tokens`). It stops when the env says done, when
-``task.timeout_s`` of wall time is spent, when a turn is cut off by the token limit, or when the context is full.
+``task.timeout_s`` of the environment's wall time is spent, when a turn is cut off by the token limit, or when the
+context is full. Time spent waiting for the engine (generation, and queueing behind other episodes' generation)
+is not the model's and does not count against ``timeout_s``: a turn's length is bounded by its tokens, and on a
+busy machine a correct answer that waited in the engine's queue must not be scored as a timeout. An engine that
+produces nothing within ``ENGINE_WAIT_S`` is an infrastructure failure.
 The final state is judged by the task's verifier, the same one evaluation uses.
 
 Failure classes (``Trajectory.reward.failure``), first match wins:
@@ -50,6 +54,9 @@ from posttrain.envs.tokens import TranscriptTokens
 from posttrain.types import FailureClass, GenerationRequest, Reward, SamplingParams, Task, Trajectory
 
 log = logging.getLogger(__name__)
+# An engine that returns nothing for this long is broken or wedged: an infrastructure failure, never a timeout of the
+# model's (queueing behind a long batch on a busy CPU takes seconds to minutes, not a quarter of an hour).
+ENGINE_WAIT_S = 900.0
 _CALLS = itertools.count()  # numbers rollout calls, so group ids are unique in a process and reproducible
 
 
@@ -76,6 +83,8 @@ class _Episode:
     pending_infra: _Infra | None = None  # a driven episode that failed after its tokens were recorded
     step_rewards: list[float | None] = field(default_factory=list)  # per step: the env's ``step_reward``, if any
     judged: tuple[float, float] | None = None  # the verifier's (start, end) on the monotonic clock
+    # when the episode's time is up (monotonic); each turn's wait for the engine moves it on by as much
+    deadline: float = float("inf")
 
 
 async def rollout_episode(
@@ -197,8 +206,7 @@ def judging_wall_seconds(trajectories: Iterable[Trajectory]) -> float:
 
 async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens, parser, template_kwargs):
     started = time.monotonic()
-    deadline = started + float(task.timeout_s)
-    episode = _Episode()
+    episode = _Episode(deadline=started + float(task.timeout_s))
     tokens: TranscriptTokens | None = None
     failure: _Infra | None = None
     reward: Reward | None = None
@@ -206,12 +214,11 @@ async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_t
         env = make_environment(task, sandbox=sandbox, **({"parser": parser} if parser is not None else {}))
         observation = await env.reset(task)
         if callable(getattr(env, "drive", None)):  # a black-box agent: it calls the policy, not the loop
-            tokens = await _driven(env, policy, task, tokenizer, sampling, episode, deadline,
+            tokens = await _driven(env, policy, task, tokenizer, sampling, episode,
                                    _context_limit(max_context_tokens, tokenizer), template_kwargs)
         else:
             tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs)
-            await _loop(policy, env, task, tokens, sampling, episode, deadline,
-                        _context_limit(max_context_tokens, tokenizer))
+            await _loop(policy, env, task, tokens, sampling, episode, _context_limit(max_context_tokens, tokenizer))
         if episode.pending_infra is not None:
             raise episode.pending_infra
         final_state = {**env.final_state(), "messages": tokens.messages, "trajectory_steps": episode.steps}
@@ -233,7 +240,7 @@ async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_t
     return _trajectory(task, tokens, reward, episode, time.monotonic() - started)
 
 
-async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_limit):
+async def _loop(policy, env, task, tokens, sampling, episode, context_limit):
     for turn in range(max(1, task.max_steps)):
         room = context_limit - len(tokens.token_ids) if context_limit else sampling.max_new_tokens
         if room <= 0:
@@ -244,14 +251,15 @@ async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_
             seed=None if sampling.seed is None else sampling.seed + 100_003 * turn,
         )
         request = GenerationRequest(prompt_token_ids=list(tokens.token_ids), request_id=f"{task.id}:{turn}")
-        completion = await _bounded(_generate(policy, request, turn_sampling), deadline, episode)
-        if completion is None:
+        if time.monotonic() >= episode.deadline:
+            episode.timed_out = True
             return
+        completion = await _generation(policy, request, turn_sampling, episode)
         episode.steps += 1
         episode.finish_reasons.append(completion.finish_reason)
         text = _strip_end_of_turn(completion.text, tokens.tokenizer)
         action = Action(text=text, finish_reason=completion.finish_reason)
-        result = await _bounded(env.step(action), deadline, episode)
+        result = await _bounded(env.step(action), episode)
         if result is None:
             # Out of time while the env worked: keep the turn's tokens, recorded as the model wrote them.
             tokens.add_policy_turn(completion, {"role": "assistant", "content": action.text})
@@ -274,9 +282,11 @@ async def _loop(policy, env, task, tokens, sampling, episode, deadline, context_
         tokens.add_observation(result.observation.messages)  # a full context is caught at the next turn
 
 
-async def _driven(env, policy, task, tokenizer, sampling, episode, deadline, context_limit, template_kwargs):
-    """An environment that drives the policy itself (`posttrain.envs.agent`): its recorded tokens and counts."""
-    driven = await env.drive(policy, task, tokenizer, sampling, deadline=deadline, max_context_tokens=context_limit,
+async def _driven(env, policy, task, tokenizer, sampling, episode, context_limit, template_kwargs):
+    """An environment that drives the policy itself (`posttrain.envs.agent`): its recorded tokens and counts.
+    (The agent program runs against the episode's whole wall time, its calls to the engine included.)"""
+    driven = await env.drive(policy, task, tokenizer, sampling, deadline=episode.deadline,
+                             max_context_tokens=context_limit,
                              template_kwargs=template_kwargs)
     episode.steps, episode.truncated, episode.timed_out = driven.steps, driven.truncated, driven.timed_out
     episode.final_answer, episode.finish_reasons = driven.final_answer, list(driven.finish_reasons)
@@ -296,8 +306,21 @@ async def _generate(policy, request, sampling):
     return completions[0]
 
 
-async def _bounded(awaitable, deadline, episode):
+async def _generation(policy, request, sampling, episode):
+    """One turn from the engine. Its wall time (queueing included) moves the episode's deadline on by as much: the
+    task's timeout bounds what the environment does, a turn is bounded by its tokens."""
+    waited = time.monotonic()
+    try:
+        completion = await asyncio.wait_for(_generate(policy, request, sampling), ENGINE_WAIT_S)
+    except asyncio.TimeoutError:
+        raise _Infra(FailureClass.INFRA, f"the engine returned no completion within {ENGINE_WAIT_S:.0f} s") from None
+    episode.deadline += time.monotonic() - waited
+    return completion
+
+
+async def _bounded(awaitable, episode):
     """`awaitable`'s result, or None (and `timed_out`) once the episode's wall time is spent."""
+    deadline = episode.deadline
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         episode.timed_out = True
