@@ -147,6 +147,19 @@ def test_code_demonstrations_pass_and_hard_coding_the_examples_fails():
         assert not reward.passed and reward.score <= 0.2 + 1e-9
 
 
+@needs_bwrap
+@pytest.mark.bwrap
+def test_every_code_family_reference_passes_its_own_cases():
+    from posttrain.tasks.code import FAMILIES
+
+    for family in FAMILIES:
+        source = get_domain("code", families=[family.name])
+        task = sample_tasks(source, 1, level=family.level, seed=3)[0]
+        assert task.metadata["family"] == family.name
+        reward = verify(task, source.demonstration(task).messages[-1]["content"])
+        assert reward.score == 1.0, (family.name, reward.details)
+
+
 def test_code_families_cover_every_level():
     source = get_domain("code")
     with pytest.raises(TaskError, match="unknown families"):

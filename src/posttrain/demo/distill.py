@@ -1,8 +1,10 @@
 """Demo stage `distill`: the high-speed tier. The newest trained policy (after RL, else DPO or SFT; tiny-3m) is
-distilled into a fresh tiny-1m built on its tokenizer, on-policy (GKD): every step the student answers fresh
-prompts of the RL stage's domains and the teacher scores each of its tokens, and half of each batch is the
-teacher's distributions on the SFT demonstrations (`distill.data_fraction`), which gets a student that starts
-from nothing off the ground faster than its own samples alone would.
+distilled into a fresh tiny-1m built on its tokenizer. The packaged recipe distils logits on the SFT
+demonstrations (`mode: logit` with no task domains: the student learns the teacher's whole next-token
+distribution at every position of the demonstrations, which no sampling has to produce first, so a student that
+starts from nothing gets off the ground within the demo's budget). With `mode: on_policy` (GKD) the student answers
+fresh prompts of the RL stage's domains and the teacher scores each of its tokens; `distill.data_fraction` of each
+batch then comes from the SFT demonstrations.
 
 The summary entry holds the student's held-out accuracy (like every stage) and both tiers side by side: each
 one's held-out accuracy, parameters and greedy decode tokens/s on the same held-out prompts.
@@ -32,11 +34,12 @@ def distill(run: DemoRun) -> dict[str, Any]:
     recipe.output_dir = str(run.root / "distill")
     recipe.teacher.path = str(teacher)
     recipe.runtime.seed = run.recipe.seed
-    if not recipe.tasks.domains:
+    on_demonstrations = recipe.mode == "logit" and not recipe.tasks.domains
+    if on_demonstrations or (recipe.distill.data_fraction > 0 and not recipe.data.train):
+        recipe.data.train = [source(run.data_dir / SFT_FILE)]
+    if not on_demonstrations and not recipe.tasks.domains:
         recipe.tasks.domains = [DomainConfig(name=d.name, args=d.args, levels=d.levels, weight=d.weight)
                                 for d in run.recipe.rl.domains]
-    if recipe.distill.data_fraction > 0 and not recipe.data.train:
-        recipe.data.train = [source(run.data_dir / SFT_FILE)]
     sampler = EngineAnswerSampler(recipe.tasks, seed=recipe.runtime.seed)
     result = run_distill(recipe, resume=run.resume, sampler=sampler)
     figures = evaluate_stage(run, result.final_dir, seconds=time.perf_counter() - started, steps=result.steps,

@@ -86,6 +86,34 @@ FAMILIES: list[_Family] = [
         "Sum the multiples of k in the range.",
     ),
     _Family(
+        "clip_values", 1,
+        lambda rng: (lambda lo: {"lo": lo, "hi": lo + rng.randint(3, 25)})(rng.randint(-20, 10)),
+        lambda p: f"Write a Python function `clip_values(xs)` that returns a new list where every integer x of "
+                  f"the list `xs` is clipped to the range {p['lo']} to {p['hi']}: values below {p['lo']} become "
+                  f"{p['lo']} and values above {p['hi']} become {p['hi']}.",
+        lambda p: f"def clip_values(xs):\n    return [min(max(x, {p['lo']}), {p['hi']}) for x in xs]",
+        lambda rng, p: [_ints(rng, -30, 40)],
+        "Clip each element with min and max in a list comprehension.",
+    ),
+    _Family(
+        "count_between", 1,
+        lambda rng: (lambda lo: {"lo": lo, "hi": lo + rng.randint(0, 25)})(rng.randint(-30, 30)),
+        lambda p: f"Write a Python function `count_between(xs)` that returns how many integers in the list `xs` "
+                  f"are between {p['lo']} and {p['hi']}, both included.",
+        lambda p: f"def count_between(xs):\n    return sum(1 for x in xs if {p['lo']} <= x <= {p['hi']})",
+        lambda rng, p: [_ints(rng, -30, 45, longest=9)],
+        "Count the elements inside the range with a generator.",
+    ),
+    _Family(
+        "power_mod", 1,
+        lambda rng: {"p": rng.randint(2, 4), "m": rng.randint(3, 40)},
+        lambda p: f"Write a Python function `power_mod(n)` that returns n to the power {p['p']}, modulo {p['m']} "
+                  f"(Python's % operator).",
+        lambda p: f"def power_mod(n):\n    return n ** {p['p']} % {p['m']}",
+        lambda rng, p: [rng.randint(-20, 60)],
+        "Raise n to the power, then take the remainder.",
+    ),
+    _Family(
         "fizz", 2,
         lambda rng: dict(zip(("a", "b"), rng.sample(range(2, 8), 2)), words=rng.choice(_WORD_PAIRS)),
         lambda p: f"Write a Python function `fizz(n)` that returns a list of strings for the numbers 1 to n: "
