@@ -31,7 +31,7 @@ gradients are summed across ranks), and the statistics are combined over the ran
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -233,11 +233,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
     """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
     config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
     total_tokens = sum(trajectories[i].policy_tokens for i in mini)
-    loss_total = 0.0
-    weighted: dict[str, float] = {}  # token-weighted sums of per-micro-batch statistics
-    ratio_max, ratio_min = float("-inf"), float("inf")
-    trainer_logprobs, behaviour_logprobs = [], []
-    largest_micro = 0
+    sums = _MiniBatchSums()
     size = settings.micro_batch_size
     for chunk in parallel.micro_batches(mini, size):
         if not chunk:
@@ -246,7 +242,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         num_seqs = len(chunk)
-        largest_micro = max(largest_micro, int(micro.input_ids.numel()))
+        sums.largest_micro = max(sums.largest_micro, int(micro.input_ids.numel()))
         with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
             logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
                                                    temperature=temperature, entropy=True,
@@ -281,36 +277,62 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
             loss = loss + config.kl_coef * reduce(kl)
             stats["kl"] = float(kl.detach().mean())
         loss.backward()
-        loss_total += float(loss.detach())
-        tokens = int(micro.targets.numel())
-        ratio_max, ratio_min = max(ratio_max, stats.pop("ratio_max")), min(ratio_min, stats.pop("ratio_min"))
-        for key, value in stats.items():
-            weighted[key] = weighted.get(key, 0.0) + value * (1 if key == "pg_loss" else tokens)
-        trainer_logprobs.append(logprobs.detach())
-        behaviour_logprobs.append(micro.behaviour)
-    trainer_all = torch.cat(trainer_logprobs) if trainer_logprobs else torch.zeros(0)
-    behaviour_all = torch.cat(behaviour_logprobs) if behaviour_logprobs else torch.zeros(0)
+        sums.add(float(loss.detach()), stats, int(micro.targets.numel()), logprobs.detach(), micro.behaviour)
     parallel.reduce_gradients(model)
     if parallel.world_size > 1:
-        loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all = _combine_ranks(
-            parallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all)
-    out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in weighted.items()}
-    out.update(loss=loss_total, ratio_max=ratio_max, ratio_min=ratio_min, tokens=float(total_tokens),
-               micro_batch_tokens=float(largest_micro))
-    out.update(logprob_gap_stats(trainer_all, behaviour_all))
-    return out
+        sums = sums.over_ranks(parallel)
+    return sums.statistics(total_tokens)
 
 
-def _combine_ranks(parallel: DataParallel, loss_total, weighted, ratio_max, ratio_min, trainer_all, behaviour_all):
-    """Every rank's sums and log-probs combined: the statistics one process would compute on the whole batch."""
-    parts = parallel.all_gather((loss_total, weighted, ratio_max, ratio_min, trainer_all.cpu(), behaviour_all.cpu()))
-    summed: dict[str, float] = {}
-    for part in parts:
-        for key, value in part[1].items():
-            summed[key] = summed.get(key, 0.0) + value
-    device = trainer_all.device
-    return (sum(part[0] for part in parts), summed, max(part[2] for part in parts), min(part[3] for part in parts),
-            torch.cat([part[4] for part in parts]).to(device), torch.cat([part[5] for part in parts]).to(device))
+@dataclass
+class _MiniBatchSums:
+    """What one mini-batch's micro-batches add up: the loss, token-weighted statistics (`pg_loss` is summed as
+    is: each micro-batch's share is already scaled to the mini-batch), the ratio's bounds, and the trainer's and
+    engine's log-probs of every scored token for the gap."""
+
+    loss: float = 0.0
+    weighted: dict[str, float] = field(default_factory=dict)
+    ratio_max: float = float("-inf")
+    ratio_min: float = float("inf")
+    trainer: list[torch.Tensor] = field(default_factory=list)
+    behaviour: list[torch.Tensor] = field(default_factory=list)
+    largest_micro: int = 0
+
+    def add(self, loss: float, stats: dict[str, float], tokens: int, trainer: torch.Tensor,
+            behaviour: torch.Tensor) -> None:
+        self.loss += loss
+        self.ratio_max = max(self.ratio_max, stats.pop("ratio_max"))
+        self.ratio_min = min(self.ratio_min, stats.pop("ratio_min"))
+        for key, value in stats.items():
+            self.weighted[key] = self.weighted.get(key, 0.0) + value * (1 if key == "pg_loss" else tokens)
+        self.trainer.append(trainer)
+        self.behaviour.append(behaviour)
+
+    def over_ranks(self, parallel: DataParallel) -> _MiniBatchSums:
+        """Every rank's sums combined: what one process computes on the whole mini-batch."""
+        device = self.trainer[0].device if self.trainer else torch.device("cpu")
+        mine = (self.loss, self.weighted, self.ratio_max, self.ratio_min,
+                _joined(self.trainer).cpu(), _joined(self.behaviour).cpu())
+        parts = parallel.all_gather(mine)
+        weighted: dict[str, float] = {}
+        for part in parts:
+            for key, value in part[1].items():
+                weighted[key] = weighted.get(key, 0.0) + value
+        return _MiniBatchSums(
+            loss=sum(part[0] for part in parts), weighted=weighted, ratio_max=max(part[2] for part in parts),
+            ratio_min=min(part[3] for part in parts), trainer=[part[4].to(device) for part in parts],
+            behaviour=[part[5].to(device) for part in parts], largest_micro=self.largest_micro)
+
+    def statistics(self, total_tokens: int) -> dict[str, float]:
+        out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in self.weighted.items()}
+        out.update(loss=self.loss, ratio_max=self.ratio_max, ratio_min=self.ratio_min, tokens=float(total_tokens),
+                   micro_batch_tokens=float(self.largest_micro))
+        out.update(logprob_gap_stats(_joined(self.trainer), _joined(self.behaviour)))
+        return out
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 @torch.no_grad()
