@@ -84,15 +84,16 @@ class TrainerRank:
         return (metrics if self.rank == 0 else None), state
 
     def optimizer_state(self) -> dict[str, Any] | None:
-        optimizer = self.parallel.optimizer_state(self.policy.optimizer)
-        return {"optimizer": optimizer, "scheduler": self.policy.scheduler.state_dict()} if self.rank == 0 else None
+        optimization = self.policy.optimization
+        optimizer = self.parallel.optimizer_state(optimization.optimizer)
+        return {"optimizer": optimizer, "scheduler": optimization.scheduler.state_dict()} if self.rank == 0 else None
 
     def load(self, weights: list[Any], state: dict[str, Any]) -> None:
         import ray
 
         self.parallel.load_full_state_dict(self.policy.model, ray.get(weights[0]))
-        self.parallel.load_optimizer_state(self.policy.optimizer, state["optimizer"])
-        self.policy.scheduler.load_state_dict(state["scheduler"])
+        self.parallel.load_optimizer_state(self.policy.optimization.optimizer, state["optimizer"])
+        self.policy.optimization.scheduler.load_state_dict(state["scheduler"])
 
     def set_lr_scale(self, scale: float) -> None:
         self.policy.set_lr_scale(scale)

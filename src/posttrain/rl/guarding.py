@@ -11,7 +11,7 @@ episodes and pass@1 as `posttrain eval`; `eval_metrics_of` names the figures the
 over its scored episodes only, so an infrastructure failure (a sandbox, the engine, a verifier) can neither lower
 it nor trip the guard; a suite with nothing scored is skipped at that evaluation. The replay SFT loss the guard asks
 for is the policy's (`rl.update.replay_sft_backward`), as is the learning-rate scale a rollback leaves
-(`set_lr_scale`).
+(`Optimization.set_lr_scale`).
 """
 
 from __future__ import annotations

@@ -58,15 +58,8 @@ from posttrain.models import (
     load_reward_model,
     save_reward_model,
 )
-from posttrain.rl.update import collate_trajectories, mini_batches, plain_copy, set_lr_scale
-from posttrain.train import (
-    Runtime,
-    build_optimizer,
-    build_scheduler,
-    clipped_value_loss,
-    load_optimizer_state,
-    optimizer_step,
-)
+from posttrain.rl.update import Optimization, collate_trajectories, mini_batches, plain_copy
+from posttrain.train import Runtime, clipped_value_loss
 from posttrain.types import Trajectory
 
 LEARNED_REWARD_KEY = "learned_reward"  # in Trajectory.metadata and the episode record: the (normalised) score
@@ -147,14 +140,12 @@ class Critic:
     def __init__(self, model: ScalarRewardModel, tokenizer, runtime: Runtime, recipe: RLRecipe):
         self.model, self.tokenizer, self.runtime, self.recipe = model, tokenizer, runtime, recipe
         self.config = recipe.critic
-        self.optimizer = build_optimizer(model, self.config.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.config.optim,
+        self.optimization = Optimization(model, self.config.optim,
                                          recipe.train.max_steps * recipe.train.updates_per_batch)
-        self.base_lrs = list(self.scheduler.base_lrs)
 
     def set_lr_scale(self, scale: float) -> None:
         """The guard's rollbacks lower the critic's learning rate with the policy's."""
-        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
+        self.optimization.set_lr_scale(scale)
 
     @torch.no_grad()
     def values(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
@@ -180,13 +171,12 @@ class Critic:
         minis = [mini for mini in mini_batches(trajectories, self.recipe.train.updates_per_batch) if mini]
         for mini in minis:
             stats = self._accumulate(trajectories, old_values, targets, mini)
-            stats["grad_norm"] = optimizer_step(self.model, self.optimizer, self.scheduler,
-                                                self.config.optim.max_grad_norm)
+            stats["grad_norm"] = self.optimization.step(self.model)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(minis)
         metrics = {f"critic/{key}": value for key, value in totals.items()}
         metrics.update(_value_statistics(torch.cat(list(old_values)), torch.cat(list(targets))))
-        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["critic/lr"] = self.optimization.lr
         return metrics
 
     def _accumulate(self, trajectories, old_values, targets, mini: list[int]) -> dict[str, float]:
@@ -212,7 +202,7 @@ class Critic:
     # ---- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return self.optimization.state_dict()
 
     def save(self, directory: Path) -> Path:
         """The critic's weights as a reward-model directory (`load_reward_model` reads it)."""
@@ -232,8 +222,7 @@ class Critic:
         with torch.no_grad():
             for name, tensor in saved.model.state_dict().items():
                 target[name].copy_(tensor)
-        load_optimizer_state(self.optimizer, state["critic"]["optimizer"])
-        self.scheduler.load_state_dict(state["critic"]["scheduler"])
+        self.optimization.load_state_dict(state["critic"])
 
 
 def make_critic(recipe: RLRecipe, policy: torch.nn.Module, tokenizer, runtime: Runtime) -> Critic:

@@ -6,7 +6,7 @@ that takes it (`PolicyTrainer`: `LocalPolicy` in this process, an FSDP trainer g
 `rl_update`. A data-parallel rank of `posttrain.distributed` runs the same `LocalPolicy` over its sharded model.
 Also here: the weights the engines get after an update (`engine_state`: the merged weights of a LoRA policy), the
 reference policy for the KL term (`make_reference`: the adapter switched off under LoRA, a frozen copy otherwise)
-and the learning-rate scale a rollback leaves (`set_lr_scale`).
+and the optimizer with the learning-rate scale a rollback leaves (`Optimization`).
 
 The trainer scores exactly the token ids the engine sampled (`Trajectory.token_ids`, never re-tokenized):
 position t is scored when token t+1 is a policy token (`loss_mask[t+1] == 1`); observation tokens of
@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from posttrain.config import PolicyLossConfig, RLRecipe
+from posttrain.config import OptimConfig, PolicyLossConfig, RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
 from posttrain.train import (
@@ -135,10 +135,7 @@ class LocalPolicy:
         if reference is None and recipe.algorithm.kl_coef > 0:
             reference = make_reference(model, recipe, runtime)
         self.reference = reference
-        self.optimizer = build_optimizer(model, recipe.optim)
-        self.scheduler = build_scheduler(self.optimizer, recipe.optim,
-                                         recipe.train.max_steps * recipe.train.updates_per_batch)
-        self.base_lrs = list(self.scheduler.base_lrs)
+        self.optimization = Optimization(model, recipe.optim, recipe.train.max_steps * recipe.train.updates_per_batch)
         self.settings = UpdateSettings.of(recipe, runtime, tokenizer.pad_token_id)
 
     def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
@@ -153,13 +150,14 @@ class LocalPolicy:
                                                coef=guard.replay_coef * self.replay_scale,
                                                max_length=guard.replay_max_length, reasoning=guard.replay_reasoning,
                                                micro_batch_size=recipe.train.micro_batch_size))
-        stats = rl_update(model, self.optimizer, self.scheduler, trajectories, advantages, self.settings,
-                          reference=self.reference, parallel=self.parallel) if trajectories else {}
+        optimization = self.optimization
+        stats = rl_update(model, optimization.optimizer, optimization.scheduler, trajectories, advantages,
+                          self.settings, reference=self.reference, parallel=self.parallel) if trajectories else {}
         if not trajectories and "guard/replay_loss" in metrics:
             self.parallel.reduce_gradients(model)
-            stats["grad_norm"] = optimizer_step(model, self.optimizer, self.scheduler, recipe.optim.max_grad_norm)
+            stats["grad_norm"] = optimization.step(model)
         metrics.update({f"train/{k}": v for k, v in stats.items()})
-        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["train/lr"] = optimization.lr
         return metrics
 
     def weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
@@ -169,15 +167,14 @@ class LocalPolicy:
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return self.optimization.state_dict()
 
     def load_checkpoint(self, checkpoint: Path, state: dict[str, Any]) -> None:
         load_weights_from_checkpoint(self.model, checkpoint)
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimization.load_state_dict(state)
 
     def set_lr_scale(self, scale: float) -> None:
-        set_lr_scale(self.optimizer, self.scheduler, self.base_lrs, scale)
+        self.optimization.set_lr_scale(scale)
 
     def close(self) -> None:
         pass
@@ -486,10 +483,35 @@ def replay_sft_backward(model: torch.nn.Module, samples: list[SFTSample], tokeni
             "guard/replay_samples": float(len(rows))}
 
 
-def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, base_lrs: list[float], scale: float) -> None:
-    """Scale the learning rate of a `LambdaLR` schedule from now on (the schedule's shape is kept)."""
-    scheduler.base_lrs = [lr * scale for lr in base_lrs]
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+class Optimization:
+    """An optimizer and its schedule over `total_steps` steps, whose learning rate a rollback may scale from
+    then on (the schedule's shape kept): the policy's and the critic's."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+        self.optimizer = build_optimizer(model, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+        self.max_grad_norm = optim.max_grad_norm
+        self._base_lrs = list(self.scheduler.base_lrs)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def step(self, model: torch.nn.Module) -> float:
+        """Clip, step and advance the schedule; returns the gradient norm."""
+        return optimizer_step(model, self.optimizer, self.scheduler, self.max_grad_norm)
+
+    def set_lr_scale(self, scale: float) -> None:
+        scheduler, optimizer = self.scheduler, self.optimizer
+        scheduler.base_lrs = [lr * scale for lr in self._base_lrs]
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
