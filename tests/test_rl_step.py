@@ -90,3 +90,44 @@ def test_micro_batching_does_not_change_the_gradient(tiny_tokenizer, aggregation
         grads.append(before - model.lm_head.weight.detach())
     assert grads[0].abs().max() > 1e-4
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_kl_term_measures_and_restrains_the_drift_from_the_reference(tiny_tokenizer, lora):
+    """The reference is the starting policy (a frozen copy; under LoRA the adapter switched off): the KL is 0
+    before any update, grows as the policy moves, and with the term on the policy moves less from where it
+    started than with it off."""
+    from posttrain.config import LoraConfig, RLRecipe
+    from posttrain.models import apply_lora, build_tiny_model
+    from posttrain.rl.update import make_reference
+
+    prompt, good, bad = [3, 30, 31, 1, 5], [40, 41, 1], [42, 43, 1]
+    drift = {}
+    for kl_coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = build_tiny_model("tiny-1m", tiny_tokenizer, seed=0)
+        if lora:
+            model = apply_lora(model, LoraConfig(enabled=True, r=4))
+        recipe = RLRecipe.model_validate({"algorithm": {"kl_coef": kl_coef, "kl_estimator": "k2"}})
+        reference = make_reference(model, recipe, RUNTIME)
+        start = torch.tensor(sequence_logprob(model, prompt, good) + sequence_logprob(model, prompt, bad))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, max_grad_norm=None))
+        config = PolicyLossConfig(kl_coef=kl_coef, kl_estimator="k2")
+        kls = []
+        for _ in range(8):
+            trajectories = [make_trajectory(model, prompt, c, s) for c, s in [(good, 1.0), (bad, 0.0)] * 2]
+            advantages = compute_advantages([t.reward.score for t in trajectories], ["g"] * 4).tolist()
+            stats = rl_update(model, optimizer, None, trajectories, advantages,
+                              UpdateSettings(loss=config, runtime=RUNTIME, pad_id=tiny_tokenizer.pad_token_id,
+                                             temperature=1.0, micro_batch_size=4, max_grad_norm=None),
+                              reference=reference)
+            kls.append(stats.get("kl"))
+        now = torch.tensor(sequence_logprob(model, prompt, good) + sequence_logprob(model, prompt, bad))
+        drift[kl_coef] = float((now - start).pow(2).mean())
+        if kl_coef:
+            assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first step
+            assert kls[-1] > 1e-4
+        else:
+            assert kls == [None] * 8  # no reference scored without the term
+    assert drift[0.0] > 0.1
+    assert drift[1.0] < 0.5 * drift[0.0]

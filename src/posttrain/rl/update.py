@@ -30,6 +30,7 @@ gradients are summed across ranks), and the statistics are combined over the ran
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -442,21 +443,18 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
     frozen copy of the starting weights."""
     temperature = train_temperature(recipe)
     if is_lora(model):
-        def lora_reference(input_ids, attention_mask, score_mask):
-            with reference_mode(model):
-                return scored_token_stats(model, input_ids, score_mask, input_ids[:, 1:][score_mask],
-                                          temperature=temperature, attention_mask=attention_mask).logprobs
+        scorer, switched = model, lambda: reference_mode(model)
+    else:
+        scorer, switched = copy.deepcopy(model).eval(), contextlib.nullcontext
+        for parameter in scorer.parameters():
+            parameter.requires_grad_(False)
 
-        return lora_reference
-    frozen = copy.deepcopy(model).eval()
-    for parameter in frozen.parameters():
-        parameter.requires_grad_(False)
+    def reference(input_ids, attention_mask, score_mask):
+        with switched():
+            return scored_token_stats(scorer, input_ids, score_mask, input_ids[:, 1:][score_mask],
+                                      temperature=temperature, attention_mask=attention_mask).logprobs
 
-    def copy_reference(input_ids, attention_mask, score_mask):
-        return scored_token_stats(frozen, input_ids, score_mask, input_ids[:, 1:][score_mask],
-                                  temperature=temperature, attention_mask=attention_mask).logprobs
-
-    return copy_reference
+    return reference
 
 
 def replay_sft_backward(model: torch.nn.Module, samples: list[SFTSample], tokenizer, runtime: Runtime, *,
