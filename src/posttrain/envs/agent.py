@@ -22,8 +22,10 @@ infrastructure failure (``infra`` / ``sandbox_failure``: masked, never scored 0)
 episode (calls, completion tokens, context) was hit first: running out of budget is the model's doing, so the
 final state is judged and a failure is ``TRUNCATED``. A policy that fails mid-episode is ``infra``.
 
-The trajectory is the episode's last segment (one causal sequence); when the agent broke the chain of calls,
-the earlier segments are kept token-exact in ``metadata["agent"]["earlier_segments"]`` and are not trained on.
+The trajectory is the episode's last segment (one causal sequence); when the agent broke the chain of calls
+(edited, truncated or summarised its history), the earlier segments are kept token-exact in
+``metadata["agent"]["earlier_segments"]``, and the trainer trains on every one of them: `trajectory_segments`
+(``posttrain.envs.episode``) makes each its own sequence with the episode's reward and advantage.
 """
 
 from __future__ import annotations
@@ -204,7 +206,8 @@ class AgentEnv:
             "calls": len(calls), "segments": len(segments), "completion_tokens": endpoint.completion_tokens,
             "limit_hit": endpoint.limit_hit, "refused_calls": endpoint.refused_calls,
             "ignored_params": sorted(endpoint.ignored_params),
-            "earlier_segments": [_segment_dict(s) for s in segments[:-1]],
+            "earlier_segments": [_segment_dict(s, sum(c.segment == i for c in calls))
+                                 for i, s in enumerate(segments[:-1])],
         }
         # Only the episode's own limits truncate it: a call cut at its max_tokens is the agent's to handle (it
         # got finish_reason "length"), as a human-written client would.
@@ -248,7 +251,7 @@ def _task_json(task: Task) -> str:
     return json.dumps({"id": task.id, "domain": task.domain, "messages": task.messages, "tools": task.tools})
 
 
-def _segment_dict(tokens: TranscriptTokens) -> dict[str, Any]:
+def _segment_dict(tokens: TranscriptTokens, calls: int) -> dict[str, Any]:
     return {"token_ids": list(tokens.token_ids), "loss_mask": list(tokens.loss_mask),
             "behaviour_logprobs": list(tokens.behaviour_logprobs), "policy_versions": list(tokens.policy_versions),
-            "prompt_length": tokens.prompt_length}
+            "prompt_length": tokens.prompt_length, "calls": calls, "messages": [dict(m) for m in tokens.messages]}
