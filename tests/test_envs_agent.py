@@ -274,6 +274,39 @@ def test_every_segment_of_an_agent_that_rewrites_its_history_is_trained_on(tmp_p
     assert set(micro.advantages.tolist()) == {0.75} and set(micro.seq_index.tolist()) == {0, 1}
 
 
+class RemotePool:
+    """A pool whose runs would happen on another machine (as Ray's sandbox workers): it must never get a jail."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def execute(self, request):
+        self.runs += 1
+        raise AssertionError("an agent's jail was sent away from its endpoint")
+
+    async def aexecute(self, request):
+        return self.execute(request)
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_an_agent_runs_beside_its_endpoint_when_the_sandbox_pool_is_remote(tmp_path, tiny_tokenizer):
+    from posttrain.sandbox import Sandbox
+
+    script = tmp_path / "one_call.py"
+    script.write_text("from openai import OpenAI\nreply = OpenAI(max_retries=0).chat.completions.create(\n"
+                      "    model='p', messages=[{'role': 'user', 'content': 'hi'}])\n"
+                      "print(reply.choices[0].message.content)\n")
+    remote = RemotePool()
+    task = Task(id="beside", domain="agent", messages=[{"role": "user", "content": "hi"}], verifier="exact",
+                verifier_args={"answer": "42"}, env="agent", env_args={"command": ["{python}", str(script)]},
+                timeout_s=600)
+    trajectory = asyncio.run(rollout_episode(ScriptedEngine(tiny_tokenizer, ["42" + END]), task, tiny_tokenizer,
+                                             SAMPLING, Sandbox(pool=remote)))
+    assert trajectory.reward.passed, trajectory.reward
+    assert remote.runs == 0 and trajectory.metadata["agent"]["exit_code"] == 0
+
+
 NETWORK_PROBE = textwrap.dedent('''
     import os, socket, sys, urllib.request
     results = []
@@ -439,6 +472,20 @@ def test_grpo_agent_blackbox_recipe_runs_one_step(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "final" / "config.json").is_file()
 
 
+def rewriting_agent_recipe(tmp_path, policy_dir, **sections) -> dict:
+    """One GRPO step, one prompt x 2 episodes of the history-rewriting agent on calculator tasks."""
+    script = tmp_path / "rewriter.py"
+    script.write_text(REWRITING_AGENT)
+    return {
+        "output_dir": str(tmp_path / "run"), "model": {"path": str(policy_dir)},
+        "domains": [{"name": "agent", "levels": [1], "heldout": 0, "args": {
+            "command": ["{python}", str(script)], "tasks": {"name": "calculator"}, "timeout_s": 900}}],
+        "rollout": {"prompts_per_step": 1, "sampling": {"group_size": 2, "max_new_tokens": 8}},
+        "train": {"max_steps": 1, "micro_batch_size": 8}, "pipeline": {"self_test": False},
+        "schedule": {"guard": {"enabled": False}}, "tracking": {"tensorboard": False, "progress": False},
+        **sections}
+
+
 @needs_bwrap
 @pytest.mark.bwrap
 @pytest.mark.slow
@@ -465,17 +512,8 @@ def test_rl_step_trains_every_segment_of_a_history_rewriting_agent(tmp_path, mon
 
     monkeypatch.setattr(HFEngine, "generate", recording_generate)
     monkeypatch.setattr(rl_update_module, "collate_trajectories", recording_collate)
-    script = tmp_path / "rewriter.py"
-    script.write_text(REWRITING_AGENT)
-    recipe = RLRecipe.model_validate({
-        "output_dir": str(tmp_path / "run"), "model": {"path": str(policy_dir)},
-        "domains": [{"name": "agent", "levels": [1], "heldout": 0, "args": {
-            "command": ["{python}", str(script)], "tasks": {"name": "calculator"}, "timeout_s": 900}}],
-        "rollout": {"prompts_per_step": 1, "sampling": {"group_size": 2, "max_new_tokens": 8}},
-        "train": {"max_steps": 1, "micro_batch_size": 8}, "pipeline": {"self_test": False},
-        "runtime": {"precision": "fp32", "num_threads": 1}, "schedule": {"guard": {"enabled": False}},
-        "tracking": {"tensorboard": False, "progress": False}})
-    result = run_rl(recipe)
+    result = run_rl(RLRecipe.model_validate(rewriting_agent_recipe(tmp_path, policy_dir, runtime={
+        "precision": "fp32", "num_threads": 1})))
 
     assert result.history[0]["rollout/sequences"] == 4.0  # two episodes, two segments each
     rows = {id(t): (t, a) for trajectories, advantages in batches for t, a in zip(trajectories, advantages)}
