@@ -297,3 +297,30 @@ def test_a_dead_trainer_rank_stops_the_run_and_resume_continues_exactly(ray_run,
     assert (resumed.output_dir / "checkpoints" / "latest").read_text().strip() == "step-000004"
     assert torch.load(resumed.output_dir / "checkpoints" / "step-000004" / "training_state.pt",
                       weights_only=False)["optimizer"]["state"]
+
+
+@pytest.mark.ray
+@pytest.mark.bwrap
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_black_box_agents_run_on_ray_beside_their_endpoint(ray_cluster, policy_dir, tmp_path):
+    """The rollout worker hosts each episode's endpoint and runs the agent's jail in a pool of its own, while the
+    sandbox workers (remote, in general) keep the tools and verifiers: every episode is judged, none is infra,
+    and the history-rewriting agent's two segments reach the trainer rank."""
+    from test_envs_agent import rewriting_agent_recipe
+    from test_envs_tools import bwrap_available
+
+    from posttrain.distributed import launch_rl
+
+    if not bwrap_available():
+        pytest.skip("bubblewrap not available")
+    cluster = {"backend": "ray", "num_rollout_workers": 1, "num_trainer_workers": 1, "num_sandbox_workers": 1,
+               "rollout": {"num_cpus": 0.5, "threads": 1}, "trainer": {"num_cpus": 0.5, "threads": 1},
+               "sandbox": {"num_cpus": 0.5}, "sandbox_backend": "bubblewrap"}
+    result = launch_rl(RLRecipe.model_validate(rewriting_agent_recipe(tmp_path, policy_dir, cluster=cluster,
+                                                                      runtime={"precision": "fp32"})))
+
+    logged = episodes(result.output_dir)
+    assert len(logged) == 2 and all(e["domain"] == "agent" for e in logged)
+    assert not [e for e in logged if e["failure"] in ("infra", "sandbox_failure")], logged
+    assert result.history[0]["rollout/sequences"] == 4.0  # two episodes, two segments each, on the trainer rank

@@ -197,6 +197,116 @@ def test_shipped_agent_runs_the_policys_tool_calls_and_is_judged_on_its_answer(t
     assert trajectory.messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
 
 
+# An agent that rewrites its history: the first exchange is replaced by a summary (a new segment), which the next
+# call then continues. Three calls, two segments: [call 1], [call 2, call 3].
+REWRITING_AGENT = textwrap.dedent('''
+    import json, os
+    from openai import OpenAI
+
+    client = OpenAI(max_retries=0)
+    question = json.load(open(os.environ["POSTTRAIN_TASK"]))["messages"][-1]["content"]
+    draft = client.chat.completions.create(model="p", messages=[{"role": "user", "content": question}], max_tokens=8)
+    messages = [{"role": "user", "content": "Earlier you drafted %d characters. " % len(
+        draft.choices[0].message.content or "") + question}]
+    reply = client.chat.completions.create(model="p", messages=messages, max_tokens=8)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    final = client.chat.completions.create(model="p", messages=messages, max_tokens=8)
+    print(final.choices[0].message.content)
+''')
+
+
+def _policy_runs(trajectory) -> list[list[int]]:
+    """The trajectory's policy tokens as runs of consecutive sampled ids (one per call)."""
+    runs, previous = [], 0
+    for token, mask in zip(trajectory.token_ids, trajectory.loss_mask):
+        if mask and not previous:
+            runs.append([])
+        if mask:
+            runs[-1].append(token)
+        previous = mask
+    return runs
+
+
+def _assert_rows_are_the_sampled_calls(rows, served) -> None:
+    """Each row's policy tokens are served completions, verbatim and with their logprobs; each row's prompt is
+    what the engine was given for the row's first call."""
+    by_ids = {tuple(c.token_ids): (prompt, c) for prompt, c in served}
+    for row in rows:
+        runs = _policy_runs(row)
+        assert runs and all(tuple(run) in by_ids for run in runs), "a row holds tokens the engine never sampled"
+        first_prompt = by_ids[tuple(runs[0])][0]
+        assert row.token_ids[:len(first_prompt)] == first_prompt
+        sampled = [lp for lp, m in zip(row.behaviour_logprobs, row.loss_mask) if m]
+        assert sampled == [lp for run in runs for lp in by_ids[tuple(run)][1].logprobs]
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_every_segment_of_an_agent_that_rewrites_its_history_is_trained_on(tmp_path, tiny_engine, tiny_tokenizer):
+    import torch
+
+    from posttrain.envs import trajectory_segments
+    from posttrain.rl.update import collate_trajectories
+
+    script = tmp_path / "rewriter.py"
+    script.write_text(REWRITING_AGENT)
+    task = Task(id="rewrite-1", domain="agent", messages=[{"role": "user", "content": "What is 6*7?"}],
+                verifier="exact", verifier_args={"answer": "42"}, env="agent",
+                env_args={"command": ["{python}", str(script)]}, timeout_s=600)
+    trajectory = _run(tiny_engine, task, tiny_tokenizer)
+
+    report = trajectory.metadata["agent"]
+    assert not trajectory.reward.is_infrastructure_failure, trajectory.reward
+    assert (report["calls"], report["segments"]) == (3, 2)
+    served = tiny_engine.served
+    rows = trajectory_segments(trajectory)
+    assert len(rows) == 2 and [r.steps for r in rows] == [1, 2]
+    assert all(r.reward is trajectory.reward and r.group_id == trajectory.group_id for r in rows)
+    # Segment 1 is call 1 alone; segment 2 is calls 2 and 3 (call 3's prompt extends call 2's sampled ids).
+    assert _policy_runs(rows[0]) == [served[0][1].token_ids]
+    assert _policy_runs(rows[1]) == [served[1][1].token_ids, served[2][1].token_ids]
+    _assert_rows_are_the_sampled_calls(rows, served)
+    # The trainer's micro-batch: every call's sampled ids are targets, with their behaviour logprobs, and both
+    # segments carry the episode's advantage.
+    micro = collate_trajectories(rows, [0.75, 0.75], pad_id=0, device=torch.device("cpu"))
+    assert micro.targets.tolist() == [t for _, c in served for t in c.token_ids]
+    assert micro.behaviour.tolist() == pytest.approx([lp for _, c in served for lp in c.logprobs], abs=0)
+    assert set(micro.advantages.tolist()) == {0.75} and set(micro.seq_index.tolist()) == {0, 1}
+
+
+class RemotePool:
+    """A pool whose runs would happen on another machine (as Ray's sandbox workers): it must never get a jail."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def execute(self, request):
+        self.runs += 1
+        raise AssertionError("an agent's jail was sent away from its endpoint")
+
+    async def aexecute(self, request):
+        return self.execute(request)
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_an_agent_runs_beside_its_endpoint_when_the_sandbox_pool_is_remote(tmp_path, tiny_tokenizer):
+    from posttrain.sandbox import Sandbox
+
+    script = tmp_path / "one_call.py"
+    script.write_text("from openai import OpenAI\nreply = OpenAI(max_retries=0).chat.completions.create(\n"
+                      "    model='p', messages=[{'role': 'user', 'content': 'hi'}])\n"
+                      "print(reply.choices[0].message.content)\n")
+    remote = RemotePool()
+    task = Task(id="beside", domain="agent", messages=[{"role": "user", "content": "hi"}], verifier="exact",
+                verifier_args={"answer": "42"}, env="agent", env_args={"command": ["{python}", str(script)]},
+                timeout_s=600)
+    trajectory = asyncio.run(rollout_episode(ScriptedEngine(tiny_tokenizer, ["42" + END]), task, tiny_tokenizer,
+                                             SAMPLING, Sandbox(pool=remote)))
+    assert trajectory.reward.passed, trajectory.reward
+    assert remote.runs == 0 and trajectory.metadata["agent"]["exit_code"] == 0
+
+
 NETWORK_PROBE = textwrap.dedent('''
     import os, socket, sys, urllib.request
     results = []
@@ -360,3 +470,60 @@ def test_grpo_agent_blackbox_recipe_runs_one_step(tmp_path, monkeypatch):
     assert episodes and all(e["domain"] == "agent" and e["details"].get("verifier") == "exact" for e in episodes)
     assert not any(e["failure"] in ("infra", "sandbox_failure") for e in episodes)
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def rewriting_agent_recipe(tmp_path, policy_dir, **sections) -> dict:
+    """One GRPO step, one prompt x 2 episodes of the history-rewriting agent on calculator tasks."""
+    script = tmp_path / "rewriter.py"
+    script.write_text(REWRITING_AGENT)
+    return {
+        "output_dir": str(tmp_path / "run"), "model": {"path": str(policy_dir)},
+        "domains": [{"name": "agent", "levels": [1], "heldout": 0, "args": {
+            "command": ["{python}", str(script)], "tasks": {"name": "calculator"}, "timeout_s": 900}}],
+        "rollout": {"prompts_per_step": 1, "sampling": {"group_size": 2, "max_new_tokens": 8}},
+        "train": {"max_steps": 1, "micro_batch_size": 8}, "pipeline": {"self_test": False},
+        "schedule": {"guard": {"enabled": False}}, "tracking": {"tensorboard": False, "progress": False},
+        **sections}
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_rl_step_trains_every_segment_of_a_history_rewriting_agent(tmp_path, monkeypatch, policy_dir):
+    """One GRPO step of `run_rl` on the history-rewriting agent: the trainer's batch holds each episode's two
+    segments -- every call's sampled ids with the engine's logprobs -- and both carry the episode's advantage."""
+    from posttrain.config import RLRecipe
+    from posttrain.rl import run_rl
+    from posttrain.rl import update as rl_update_module
+    from posttrain.rollout import HFEngine
+
+    served, batches = [], []
+    generate, collate = HFEngine.generate, rl_update_module.collate_trajectories
+
+    def recording_generate(self, requests, sampling, **kwargs):
+        results = generate(self, requests, sampling, **kwargs)
+        served.extend((list(r.prompt_token_ids), c[0]) for r, c in zip(requests, results))
+        return results
+
+    def recording_collate(trajectories, advantages, *args, **kwargs):
+        batches.append((list(trajectories), list(advantages)))
+        return collate(trajectories, advantages, *args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", recording_generate)
+    monkeypatch.setattr(rl_update_module, "collate_trajectories", recording_collate)
+    result = run_rl(RLRecipe.model_validate(rewriting_agent_recipe(tmp_path, policy_dir, runtime={
+        "precision": "fp32", "num_threads": 1})))
+
+    assert result.history[0]["rollout/sequences"] == 4.0  # two episodes, two segments each
+    rows = {id(t): (t, a) for trajectories, advantages in batches for t, a in zip(trajectories, advantages)}
+    rows = list(rows.values())
+    assert len(rows) == 4 and sorted(t.metadata["segment"] for t, _ in rows) == [0, 0, 1, 1]
+    _assert_rows_are_the_sampled_calls([t for t, _ in rows], served)
+    agent_calls = [c for _, c in served if c.request_id.startswith("agent:")]
+    assert sorted(len(_policy_runs(t)) for t, _ in rows) == [1, 1, 2, 2] and len(agent_calls) == 6
+    trained = sorted(tuple(run) for t, _ in rows for run in _policy_runs(t))
+    assert trained == sorted(tuple(c.token_ids) for c in agent_calls)  # every sampled call, once
+    for trajectory, advantage in rows:  # a segment trains with its episode's advantage
+        partner = [a for t, a in rows if t is not trajectory and t.reward is trajectory.reward]
+        assert partner == [advantage]

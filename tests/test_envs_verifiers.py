@@ -80,13 +80,18 @@ class ProductTaskset(vf.Taskset[ProductTask, vf.TasksetConfig]):
 __all__ = ["ProductTaskset"]
 '''
 
+# The same tasks with partial credit for the tool's right result: a rubric whose prefix scores rise turn by turn.
+PROGRESS = TOOLS.replace("@vf.reward(weight=0.0)", "@vf.reward(weight=0.5)").replace("ProductTaskset",
+                                                                                      "ProgressTaskset")
+
 BROKEN = TOOLS.replace('return 1.0 if trace.last_reply == self.data.answer else 0.0',
                        'raise RuntimeError("the judge service is down")').replace("ProductTaskset", "BrokenTaskset")
 
 
 @pytest.fixture(autouse=True)
 def tasksets(tmp_path, monkeypatch):
-    for name, source in {"vf_sum_tasks": SINGLE_TURN, "vf_product_tasks": TOOLS, "vf_broken_tasks": BROKEN}.items():
+    for name, source in {"vf_sum_tasks": SINGLE_TURN, "vf_product_tasks": TOOLS, "vf_broken_tasks": BROKEN,
+                         "vf_progress_tasks": PROGRESS}.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -135,6 +140,26 @@ def test_a_multi_turn_tool_taskset_runs_its_tools_and_scores_the_transcript(tiny
     assert bad.reward.passed and bad.failed_steps == 1
     assert bad.reward.components["process"] == pytest.approx(0.5)
     assert any(m["content"].startswith("error: TypeError") for m in bad.messages if m["role"] == "tool")
+
+
+def test_turn_scores_give_the_rubrics_score_of_each_turns_prefix_as_the_process_reward(tiny_tokenizer):
+    domain = get_domain("verifiers", taskset="vf_progress_tasks", max_steps=4, turn_scores=True)
+    task = sample_tasks(domain, 1, level=1, seed=1)[0]
+    assert task.verifier_args["turn_scores"] is True
+    a, b = (int(x) for x in task.prompt.removeprefix("What is ").rstrip("?").split("*"))
+    # turn 1: a call the tool rejects (no credit); turn 2: the right call (the tool's result: used_tool, 0.5);
+    # turn 3: the answer (correct 1.0 + used_tool 0.5)
+    trajectory, _ = run(task, tiny_tokenizer, [call("multiply", a=a), call("multiply", a=a, b=b), f"{a * b}{END}"])
+    reward = trajectory.reward
+    assert (reward.score, reward.passed) == (1.5, True)
+    assert reward.details["step_rewards"] == [0.0, 0.5, 1.5]
+    assert reward.components == {"correct": 1.0, "used_tool": 1.0, "process": pytest.approx(2.0 / 3)}
+
+    # Without the option the process signal is the tool env's share of calls that succeeded, as before.
+    plain = sample_tasks(get_domain("verifiers", taskset="vf_progress_tasks", max_steps=4), 1, level=1, seed=1)[0]
+    trajectory, _ = run(plain, tiny_tokenizer, [call("multiply", a=a), call("multiply", a=a, b=b), f"{a * b}{END}"])
+    assert trajectory.reward.components["process"] == pytest.approx(0.5)
+    assert trajectory.reward.details["step_rewards"] == [0.0, 1.0, None]
 
 
 def test_a_rubric_that_crashes_is_an_infrastructure_failure(tiny_tokenizer):

@@ -42,6 +42,7 @@ from posttrain.envs.episode import (
     rollout_many,
     rollout_stats,
     run_episodes,
+    trajectory_segments,
 )
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
@@ -102,5 +103,6 @@ __all__ = [
     "run_episodes",
     "tool",
     "tool_schemas",
+    "trajectory_segments",
     "vf_task_messages",
 ]

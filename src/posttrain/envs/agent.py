@@ -8,7 +8,9 @@ One episode (`AgentEnv.drive`, called by `posttrain.envs.rollout_episode`):
 1. a `RecordingEndpoint` (``posttrain.envs.agent_endpoint``) is served on a unix socket in an endpoint directory
    of this process (mode 0700 above it; one directory per concurrent episode, reused, so a sandbox launcher
    binds a bounded number of them);
-2. the agent runs in a fresh jail (`posttrain.sandbox`: no network but a loopback of its own, read-only system).
+2. the agent runs in a fresh jail (`posttrain.sandbox`: no network but a loopback of its own, read-only system)
+   on this machine, beside its endpoint: in the sandbox's pool when it is local, else (Ray's sandbox workers run
+   the tools and verifiers elsewhere) in a bubblewrap pool of this process's own -- on Ray, the rollout worker's.
    Its work dir holds the task's files and ``task.json`` (the task's id, messages and tool names -- never the
    verifier's arguments); read-only inside: the endpoint directory (the socket and `_agent_jail.py`, the
    loopback proxy that starts the agent with ``OPENAI_BASE_URL``), the trainer's Python when the command says
@@ -22,8 +24,10 @@ infrastructure failure (``infra`` / ``sandbox_failure``: masked, never scored 0)
 episode (calls, completion tokens, context) was hit first: running out of budget is the model's doing, so the
 final state is judged and a failure is ``TRUNCATED``. A policy that fails mid-episode is ``infra``.
 
-The trajectory is the episode's last segment (one causal sequence); when the agent broke the chain of calls,
-the earlier segments are kept token-exact in ``metadata["agent"]["earlier_segments"]`` and are not trained on.
+The trajectory is the episode's last segment (one causal sequence); when the agent broke the chain of calls
+(edited, truncated or summarised its history), the earlier segments are kept token-exact in
+``metadata["agent"]["earlier_segments"]``, and the trainer trains on every one of them: `trajectory_segments`
+(``posttrain.envs.episode``) makes each its own sequence with the episode's reward and advantage.
 """
 
 from __future__ import annotations
@@ -105,6 +109,26 @@ class _EndpointDirs:
 _DIRS = _EndpointDirs()
 
 
+class _LocalPool:
+    """This process's own bubblewrap pool for agent jails, when the default pool sends runs elsewhere (made on
+    first use, re-made in a forked child; one slot per CPU, as the default pool)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: SandboxPool | None = None
+        self._owner = 0
+
+    def get(self) -> SandboxPool:
+        with self._lock:
+            if self._pool is None or self._owner != os.getpid():
+                self._pool, self._owner = SandboxPool(), os.getpid()
+                atexit.register(self._pool.close)
+            return self._pool
+
+
+_LOCAL_POOL = _LocalPool()
+
+
 @environment("agent")
 class AgentEnv:
     """The environment of a black-box agent program (see the module doc). It drives the policy itself, so
@@ -161,16 +185,15 @@ class AgentEnv:
 
     async def _run_jail(self, task: Task, directory: str, api_key: str, deadline: float) -> Any:
         box = self.sandbox if self.sandbox is not None else default_sandbox()
-        if not isinstance(box.pool, SandboxPool):
-            # The endpoint's socket lives on this machine: a jail on a remote sandbox worker could not reach it.
-            raise EnvError(f"agent: the sandbox pool must be local to the rollout process (a SandboxPool), not "
-                           f"{type(box.pool).__name__}")
+        # The endpoint's socket lives in this process: a jail on a remote sandbox worker (Ray's sandbox workers)
+        # could not reach it, so the agent runs in a pool of this process's own, beside its endpoint.
+        pool = box.pool if isinstance(box.pool, SandboxPool) else _LOCAL_POOL.get()
         command, ro_paths = self._command()
         timeout_s = max(1.0, deadline - time.monotonic() - _START_MARGIN_S)
         limits = box.limits.replace(timeout_s=timeout_s, cpu_s=timeout_s, memory_mb=self.memory_mb,
                                     processes=self.processes)
         jail = JailOptions(python=box.jail.python, ro_paths=(directory, *ro_paths))
-        agent_box = Sandbox(limits, pool=box.pool, jail=jail)
+        agent_box = Sandbox(limits, pool=pool, jail=jail)
         files = {**self.files, TASK_FILE: _task_json(task)}
         environment_vars = {**self.env, "OPENAI_API_KEY": api_key, "POSTTRAIN_TASK": TASK_FILE,
                             "POSTTRAIN_MODEL": "policy"}
@@ -204,7 +227,8 @@ class AgentEnv:
             "calls": len(calls), "segments": len(segments), "completion_tokens": endpoint.completion_tokens,
             "limit_hit": endpoint.limit_hit, "refused_calls": endpoint.refused_calls,
             "ignored_params": sorted(endpoint.ignored_params),
-            "earlier_segments": [_segment_dict(s) for s in segments[:-1]],
+            "earlier_segments": [_segment_dict(s, sum(c.segment == i for c in calls))
+                                 for i, s in enumerate(segments[:-1])],
         }
         # Only the episode's own limits truncate it: a call cut at its max_tokens is the agent's to handle (it
         # got finish_reason "length"), as a human-written client would.
@@ -248,7 +272,7 @@ def _task_json(task: Task) -> str:
     return json.dumps({"id": task.id, "domain": task.domain, "messages": task.messages, "tools": task.tools})
 
 
-def _segment_dict(tokens: TranscriptTokens) -> dict[str, Any]:
+def _segment_dict(tokens: TranscriptTokens, calls: int) -> dict[str, Any]:
     return {"token_ids": list(tokens.token_ids), "loss_mask": list(tokens.loss_mask),
             "behaviour_logprobs": list(tokens.behaviour_logprobs), "policy_versions": list(tokens.policy_versions),
-            "prompt_length": tokens.prompt_length}
+            "prompt_length": tokens.prompt_length, "calls": calls, "messages": [dict(m) for m in tokens.messages]}

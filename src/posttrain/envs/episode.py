@@ -420,6 +420,36 @@ def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, epi
     )
 
 
+def trajectory_segments(trajectory: Trajectory) -> list[Trajectory]:
+    """The episode's causal token sequences, one trajectory each, for the trainer.
+
+    An episode is one sequence, except a black-box agent's whose calls did not extend one transcript (it edited,
+    truncated or summarised its history: `posttrain.envs.agent_endpoint`). Its trajectory is the last segment;
+    the earlier ones are kept token-exact in ``metadata["agent"]["earlier_segments"]``. Here each earlier segment
+    becomes a trajectory of its own -- its own sampled ids, behaviour logprobs and policy versions, and the
+    episode's reward, group and task -- followed by the episode's own (last) one, so every token the policy
+    sampled is trained on with the episode's advantage. Advantages are computed per episode first (a group counts
+    each episode once); the trainer then repeats an episode's advantage on each of its segments.
+    An infrastructure failure trains on nothing: it is returned alone (its mask is zeroed).
+    """
+    earlier = (trajectory.metadata.get("agent") or {}).get("earlier_segments") or []
+    if not earlier or trajectory.reward.is_infrastructure_failure:
+        return [trajectory]
+    count = len(earlier) + 1
+    pieces = []
+    for index, segment in enumerate(earlier):
+        pieces.append(dataclasses.replace(
+            trajectory, token_ids=list(segment["token_ids"]), loss_mask=list(segment["loss_mask"]),
+            behaviour_logprobs=list(segment["behaviour_logprobs"]),
+            policy_versions=list(segment["policy_versions"]), prompt_length=int(segment["prompt_length"]),
+            messages=[dict(m) for m in segment.get("messages") or []], steps=int(segment.get("calls", 0)),
+            metadata={"segment": index, "segments": count, "split": trajectory.metadata.get("split")}))
+    last_steps = trajectory.steps - sum(piece.steps for piece in pieces)
+    pieces.append(dataclasses.replace(trajectory, steps=max(0, last_steps),
+                                      metadata={**trajectory.metadata, "segment": count - 1, "segments": count}))
+    return pieces
+
+
 def _member_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if sampling.seed is None or index == 0:
         return sampling

@@ -12,6 +12,8 @@ One iteration (`_iteration`, the whole of it in one function):
                 shaping, a learned reward component when the recipe has `reward_model:`)
     advantages  group-relative (`compute_advantages`), or with `algorithm.advantage: gae` per-token GAE from the
                 critic's values (`rl.learned.Critic`), which trains beside the policy
+    segments    an episode is one sequence, or several when a black-box agent rewrote its history
+                (`posttrain.envs.trajectory_segments`): each is trained on with its episode's advantage (return)
     update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.update.rl_update`, its settings one
                 `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
     weights     the new version published to the engine(s)
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from posttrain.config import ConfigError, RLRecipe, dump_recipe
+from posttrain.envs import trajectory_segments
 from posttrain.evaluate import SuiteScore
 from posttrain.models import load_model, load_tokenizer, save_model_dir
 from posttrain.rl.advantages import (
@@ -389,12 +392,13 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     if run.critic is None:
         advantages = compute_advantages(returns, [t.group_id for t in trajectories], recipe.algorithm.advantage,
                                         scale=recipe.algorithm.scale_advantages).tolist()
-        trained = [(t, a) for t, a, keep in zip(trajectories, advantages, kept) if keep]
+        trained = [(s, a) for t, a, keep in zip(trajectories, advantages, kept) if keep for s in trajectory_segments(t)]
         metrics.update(policy.update([t for t, _ in trained], [a for _, a in trained], replay))
     else:
-        trained = [(t, r) for t, r, keep in zip(trajectories, returns, kept) if keep]
+        trained = [(s, r) for t, r, keep in zip(trajectories, returns, kept) if keep for s in trajectory_segments(t)]
         metrics.update(_ppo_update(run, [t for t, _ in trained], [r for _, r in trained], replay))
     metrics["time/train_s"] = time.perf_counter() - started
+    counts["sequences"] = len(trained)  # an agent's episode whose calls broke the transcript is several
     # Compute, in tokens through the model: every sampled sequence once (the engine), every trained one through a
     # forward and a backward (what `sft_control` matches).
     metrics["tokens/sampled"] = float(sum(len(t.token_ids) for t in batch.trajectories))

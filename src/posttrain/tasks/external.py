@@ -99,14 +99,15 @@ class OpenEnvDomain(_SeededEpisodes):
 class VerifiersDomain:
     """The tasks of a prime-rl `verifiers` taskset (an installed taskset id, or a module exporting one `Taskset`),
     built with `config`; each draw is one of its tasks, judged by its own rewards (`posttrain.envs.verifiers_env`).
-    One level; ``max_steps`` > 1 gives a task with toolsets room for tool calls."""
+    One level; ``max_steps`` > 1 gives a task with toolsets room for tool calls; ``turn_scores: true`` has the
+    rubric score each turn's prefix too, the process component (`posttrain.verify.verifiers_rubric`)."""
 
     name = "verifiers"
     max_level = 1
 
     def __init__(self, taskset: str, config: dict[str, Any] | None = None, max_steps: int = 1,
                  timeout_s: float = 60.0, tool_timeout_s: float = 30.0, pass_threshold: float | None = None,
-                 max_tasks: int = 100_000):
+                 max_tasks: int = 100_000, turn_scores: bool = False):
         from posttrain.verify import VerifyError, verifiers_tasks
 
         if max_steps < 1:
@@ -118,7 +119,7 @@ class VerifiersDomain:
         self.taskset, self.config, self.max_tasks = taskset, dict(config or {}), max_tasks
         self.source = Path(taskset).stem if is_file_ref(taskset) else taskset
         self.max_steps, self.timeout_s, self.tool_timeout_s = max_steps, timeout_s, tool_timeout_s
-        self.pass_threshold = pass_threshold
+        self.pass_threshold, self.turn_scores = pass_threshold, bool(turn_scores)
 
     def make_task(self, rng: random.Random, level: int) -> Task:
         index = rng.randrange(len(self.tasks))
@@ -126,7 +127,8 @@ class VerifiersDomain:
         key = f"verifiers:{self.source}:{vf_task.key}"  # a file's stem, not its path: the split is the same anywhere
         where = {"taskset": self.taskset, "index": index, "config": self.config, "max_tasks": self.max_tasks}
         return Task(id=task_id(self.name, key), domain=self.name, messages=vf_task_messages(vf_task),
-                    verifier="verifiers", verifier_args={**where, "pass_threshold": self.pass_threshold},
+                    verifier="verifiers", verifier_args={**where, "pass_threshold": self.pass_threshold,
+                                                          "turn_scores": self.turn_scores},
                     env="verifiers", env_args={**where, "tool_timeout_s": self.tool_timeout_s},
                     max_steps=self.max_steps, timeout_s=self.timeout_s,
                     metadata={"problem_key": key, "verifiers_index": index})

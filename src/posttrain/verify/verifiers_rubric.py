@@ -11,6 +11,14 @@ metrics, and plugged judges) offline, with no runtime. Each named reward becomes
 weighted sum (`Trace.reward`), and ``passed`` is ``score >= pass_threshold`` (default: the sum of the weights,
 every reward at 1). A reward function that raises, or scoring that exceeds ``timeout_s``, is an infrastructure
 failure: retried, never a 0.
+
+**Per-turn scores** (``turn_scores: true``, a process signal from a rubric that scores whole traces): the rubric
+also scores each turn's prefix -- the transcript up to that assistant turn and the observations it caused (its
+tool results), before the next assistant turn -- so turn k's score is what the rubric would give had the episode
+stopped after it. The scores are ``details["step_rewards"]`` and their mean is ``components["process"]``, which
+the RL return weighs by ``returns.process_weight``; the score stays the whole trace's. A rubric that rewards
+partial progress (a tool call that returned the right value) then credits the turn that made it. Costs one
+scoring per assistant turn.
 """
 
 from __future__ import annotations
@@ -107,15 +115,17 @@ def to_trace(vf_task: Any, messages: list[dict[str, Any]]) -> Any:
 @verifier("verifiers")
 def verify_verifiers(completion: str, *, taskset: str, index: int, config: dict[str, Any] | None = None,
                      max_tasks: int = 100_000, pass_threshold: float | None = None, timeout_s: float = 60.0,
-                     final_state: dict[str, Any] | None = None) -> Reward:
-    """The episode's transcript judged by task `index` of `taskset`'s own rewards."""
+                     turn_scores: bool = False, final_state: dict[str, Any] | None = None) -> Reward:
+    """The episode's transcript judged by task `index` of `taskset`'s own rewards (and, with `turn_scores`, each
+    turn's prefix: the process component)."""
     vf_task = verifiers_tasks(taskset, config, max_tasks)[index]
     messages = list((final_state or {}).get("messages") or [])
     if not messages:
         messages = [{"role": "assistant", "content": completion}]
     trace = to_trace(vf_task, messages)
+    prefixes = [to_trace(vf_task, prefix) for prefix in turn_prefixes(messages)] if turn_scores else []
     try:
-        asyncio.run(asyncio.wait_for(vf_task.score(trace), timeout_s))
+        asyncio.run(asyncio.wait_for(_score_all(vf_task, [trace, *prefixes]), timeout_s))
     except Exception as error:  # noqa: BLE001 - the environment's rubric failed: the system's failure
         return Reward(score=0.0, passed=False, failure=FailureClass.INFRA,
                       details={"error": f"verifiers scoring: {type(error).__name__}: {error}"[:2000]})
@@ -126,6 +136,20 @@ def verify_verifiers(completion: str, *, taskset: str, index: int, config: dict[
     threshold = sum(weights.values()) if pass_threshold is None else pass_threshold
     passed = score >= threshold - 1e-9
     metrics = {name: value for name, value in trace.metrics.items() if value is not None}
+    details = {"weights": weights, "metrics": metrics, "taskset": taskset, "index": index}
+    if prefixes:
+        details["step_rewards"] = [float(prefix.reward) for prefix in prefixes]
+        components["process"] = sum(details["step_rewards"]) / len(prefixes)
     return Reward(score=score, passed=passed, failure=FailureClass.NONE if passed else FailureClass.WRONG_ANSWER,
-                  components=components, details={"weights": weights, "metrics": metrics, "taskset": taskset,
-                                                  "index": index})
+                  components=components, details=details)
+
+
+def turn_prefixes(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """One prefix per assistant turn: the messages up to the next assistant turn (the turn's observations in)."""
+    turns = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+    return [messages[:end] for end in [*turns[1:], len(messages)]]
+
+
+async def _score_all(vf_task: Any, traces: list[Any]) -> None:
+    for trace in traces:  # in order: a rubric may keep state between calls
+        await vf_task.score(trace)
