@@ -126,6 +126,23 @@ def test_varlen_kernel_matches_masked_attention_with_grouped_heads():
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masked_attention_on_cpu_matches_sdpa(kind):
+    """A padded batch's 4D mask takes the matmul path on CPU (faster there than sdpa's masked kernel): same
+    outputs as sdpa, with queries after cached keys and left padding."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4, 5, 8, generator=generator)
+    key, value = (torch.randn(3, 2, 7, 8, generator=generator) for _ in range(2))
+    visible = torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None].repeat(3, 1, 1, 1)
+    visible[0, :, :, :2] = False  # a left-padded row
+    mask = visible if kind == "bool" else torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    out, _ = varlen_attention_forward(torch.nn.Linear(1, 1), query, key, value, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tokenizer = train_tokenizer([f"{a} plus {b} is {a + b}." for a in range(60) for b in range(6)])

@@ -83,8 +83,11 @@ class RuntimeConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = False
     # torch.compile the decoder stack (needs a C++ compiler on CPU): ~1.35x tokens/s on the tiny models here,
-    # after ~35 s of compiling; worth it for runs of minutes, not for a smoke test.
-    compile: bool = False
+    # after ~35 s of compiling (once per machine and model shape: the compiled code is cached on disk,
+    # posttrain.models.compile_cache); worth it for runs of minutes, not for a smoke test. "auto" (RL's default)
+    # compiles when the run has at least `compile_min_steps` steps and a compiler is there.
+    compile: bool | Literal["auto"] = False
+    compile_min_steps: int = Field(500, gt=0)
     num_threads: int | None = None  # torch intra-op threads; unset = torch's default
     seed: int = 0
     debug: bool = False

@@ -318,6 +318,13 @@ class ScheduleConfig(Section):
     alarms: AlarmConfig = AlarmConfig()
 
 
+class RLRuntimeConfig(RuntimeConfig):
+    """`RuntimeConfig` with RL's default: compile long runs (bench/rl_step.py: a compiled synchronous step is
+    ~1.6x an eager one on 2 CPU cores), stay eager for short ones (docs/benchmarks.md)."""
+
+    compile: bool | Literal["auto"] = "auto"
+
+
 @recipe("rl")
 class RLRecipe(Section):
     stage: Literal["rl"] = "rl"
@@ -337,7 +344,7 @@ class RLRecipe(Section):
     pipeline: PipelineConfig = PipelineConfig()
     optim: OptimConfig = OptimConfig(lr=1e-4, schedule="constant", max_grad_norm=1.0)
     train: RLTrainConfig = RLTrainConfig()
-    runtime: RuntimeConfig = RuntimeConfig()
+    runtime: RLRuntimeConfig = RLRuntimeConfig()
     tracking: TrackingConfig = TrackingConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     cluster: ClusterConfig = ClusterConfig()  # local, or a Ray cluster (posttrain.distributed)

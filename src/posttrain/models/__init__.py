@@ -6,6 +6,7 @@ vision-language models (`AutoModelForImageTextToText` + processor) and the built
 """
 
 from posttrain.models.attention import segments_from_positions, varlen_attention_forward, varlen_mask
+from posttrain.models.compile_cache import compile_cache_dir, compile_pays, use_compile_cache
 from posttrain.models.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -68,10 +69,13 @@ __all__ = [
     "build_tiny_model",
     "capture_rng",
     "check_same_tokenizer",
+    "compile_cache_dir",
+    "compile_pays",
     "count_adapted",
     "context_length",
     "count_parameters",
     "disable_dropout",
+    "use_compile_cache",
     "export_model",
     "is_lora",
     "latest_checkpoint",

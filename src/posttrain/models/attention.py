@@ -220,7 +220,9 @@ def _dense_attention(
             attention_mask = attention_mask & window
         else:
             attention_mask = attention_mask.masked_fill(~window, torch.finfo(attention_mask.dtype).min)
-    if features.softcap is not None:  # sdpa cannot soft-cap
+    if features.softcap is not None or (query.device.type == "cpu" and kv_length < LONG_SEGMENT):
+        # sdpa cannot soft-cap; and on CPU its masked kernel is slower than matmul + fp32 softmax on short rows
+        # (a padded RL batch, tiny-3m, bf16, forward + backward: CPU time ~0.8x). Long rows keep sdpa's memory.
         output = _matmul_attention(query, key, value, attention_mask, features, dropout)
         return output.transpose(1, 2).contiguous(), None
     if attention_mask.dtype not in (torch.bool, query.dtype):

@@ -105,7 +105,7 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_thread
     spec = recipe.rollout.speculative
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
                     max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads,
-                    compile=recipe.runtime.compile,
+                    compile=recipe.runtime.compile is True,  # "auto" is decided in run_rl_on
                     speculative=load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram))
 
 

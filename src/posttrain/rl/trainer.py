@@ -73,7 +73,15 @@ from posttrain.rl.update import PolicyTrainer
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
-from posttrain.train import Runtime, find_checkpoint, prepare_model, restore_training, setup_runtime, write_checkpoint
+from posttrain.train import (
+    Runtime,
+    find_checkpoint,
+    prepare_model,
+    resolve_compile,
+    restore_training,
+    setup_runtime,
+    write_checkpoint,
+)
 from posttrain.types import Task, Trajectory
 from posttrain.usercode import import_all
 
@@ -159,6 +167,9 @@ def run_rl_on(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
+    # compile "auto" decided once, here: the trainer and the engine(s) then read a plain true/false
+    recipe = recipe.model_copy(update={"runtime": resolve_compile(recipe.runtime, recipe.train.max_steps,
+                                                                  runtime.device)})
     # Policy (model.path, or a fresh built-in model: `starting_tokenizer`), engine(s) with their own copy of the
     # weights, reference (only when the KL term is on).
     tokenizer = starting_tokenizer(recipe)

@@ -29,6 +29,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from posttrain.models import use_compile_cache
+
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_CHUNK = 1024  # prompt columns per prefill pass (shorter prompts take one pass)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -297,6 +299,7 @@ def _compiled_step() -> Callable[..., torch.Tensor]:
     change from step to step; one graph serves them)."""
     global _compiled_decode_step
     if _compiled_decode_step is None:
+        use_compile_cache()
         _compiled_decode_step = torch.compile(_decode_step, dynamic=True)
     return _compiled_decode_step
 

@@ -30,7 +30,14 @@ from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
-from posttrain.train.step import Runtime, optimizer_step, prepare_model, seed_everything, setup_runtime
+from posttrain.train.step import (
+    Runtime,
+    optimizer_step,
+    prepare_model,
+    resolve_compile,
+    seed_everything,
+    setup_runtime,
+)
 from posttrain.train.distill import AnswerSampler, DistillResult, run_distill, teacher_distance
 from posttrain.train.distill_losses import forward_kl, generalized_jsd, reverse_kl, token_divergence
 from posttrain.train.dpo import run_dpo
@@ -81,6 +88,7 @@ __all__ = [
     "optimizer_step",
     "per_token_policy_loss",
     "prepare_model",
+    "resolve_compile",
     "restore_training",
     "reverse_kl",
     "run_distill",

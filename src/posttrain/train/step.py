@@ -2,12 +2,13 @@
 
 Recipes own their loop; these are the pieces they call: `setup_runtime` (seeds, threads, device,
 autocast dtype), `autocast` (bf16 where it pays), `optimizer_step` (clip, step, schedule, zero grads),
-and `prepare_model` (LoRA, activation checkpointing, compile).
+and `prepare_model` (LoRA, activation checkpointing, compile; `resolve_compile` decides ``compile: auto``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from dataclasses import dataclass
 
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 
 from posttrain.config import ModelConfig, RuntimeConfig
-from posttrain.models import apply_lora, autocast_dtype, resolve_device
+from posttrain.models import apply_lora, autocast_dtype, compile_pays, resolve_device, use_compile_cache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,9 +61,18 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if runtime_config.compile:
+    if runtime_config.compile is True:  # "auto" is decided by the recipe first (`resolve_compile`); unresolved: off
         compile_decoder(model, model_config)
     return model
+
+
+def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device: torch.device) -> RuntimeConfig:
+    """`runtime_config` with ``compile: auto`` decided for a run of `max_steps` steps (`compile_pays`), logged."""
+    if runtime_config.compile != "auto":
+        return runtime_config
+    decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type)
+    log.info("runtime.compile auto: %s (%s)", "compiling" if decision else "eager", reason)
+    return runtime_config.model_copy(update={"compile": decision})
 
 
 def compile_decoder(model: torch.nn.Module, model_config: ModelConfig) -> None:
@@ -80,6 +92,7 @@ def compile_decoder(model: torch.nn.Module, model_config: ModelConfig) -> None:
         set_attention(model, "eager", torch.device("cpu"))
     parts = split_head(model)
     target = parts[0] if parts is not None else model
+    use_compile_cache()
     target.compile(dynamic=True)
 
 
