@@ -50,7 +50,7 @@ from datasketch import MinHash, MinHashLSH
 
 from posttrain.config import SFTDataConfig
 from posttrain.data.decontaminate import Decontaminator, read_eval_items
-from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text, normalize_text
+from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text
 from posttrain.data.mixing import _apportion, _weights, group_name
 from posttrain.data.packing import Row, _best_fit_decreasing, _make_row, build_epoch
 from posttrain.data.readers import RejectLog, iter_samples
@@ -110,8 +110,8 @@ class StreamDedup:
         self.exact_duplicates = self.near_duplicates = 0
 
     def keep(self, sample: SFTSample) -> bool:
-        text = conversation_text(sample.messages)
-        if self.exact is not None and not self.exact.add(normalize_text(text).encode()):
+        text = conversation_text(sample.messages)  # normalized message by message: the exact key as it is
+        if self.exact is not None and not self.exact.add(text.encode()):
             self.exact_duplicates += 1
             return False
         if self.near is not None:
