@@ -52,7 +52,10 @@ def test_streaming_yields_the_in_memory_pipelines_samples(tmp_path, tokenizer):
     stream = prepare_sft_data(config([path], streaming=True), tokenizer, seed=0)
     assert isinstance(stream, StreamingSFTData)
     rows = stream.epoch_rows(0)
-    assert documents(rows[0:None]) == documents(memory.epoch_rows(0))
+    assert stream.report["read_to_end"] is False and rows.known_length is None  # nothing counted before training
+    streamed = rows[0:None]
+    assert documents(streamed) == documents(memory.epoch_rows(0))
+    assert stream.report["read_to_end"] is True and rows.known_length == len(streamed)
     assert stream.report["dedup"]["exact_duplicates"] == memory.report["exact_duplicates"] == 3
     assert stream.report["read"] == {str(path): 153} and stream.report["samples"] == 150
     assert all(len(row) <= 64 for row in rows[0:None])
@@ -63,7 +66,7 @@ def test_streaming_epochs_are_deterministic_and_resume_by_slices(tmp_path, token
     data = prepare_sft_data(config([path], streaming=True), tokenizer, seed=3)
     every = list(data.iter_rows(1))
     rows = data.epoch_rows(1)
-    assert len(rows) == len(every) == data.count_rows(1)
+    assert not hasattr(rows, "__len__") and rows.count() == len(every) == rows.known_length
     assert rows[0:4] + rows[4:9] == every[:9]
     assert rows[2:5] == every[2:5]  # an earlier slice re-streams from the start
     resumed = data.epoch_rows(1)
@@ -75,7 +78,9 @@ def test_streaming_heldout_fraction_collects_the_split_off_samples(tmp_path, tok
     path = write(tmp_path / "train.jsonl", [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(300)])
     memory = prepare_sft_data(config([path], heldout_fraction=0.2), tokenizer, seed=0)
     stream = prepare_sft_data(config([path], heldout_fraction=0.2, streaming=True), tokenizer, seed=0)
-    assert len(stream.heldout) == len(memory.heldout) > 30 and stream.report["heldout_split"] == len(memory.heldout)
+    assert len(stream.heldout) == len(memory.heldout) > 30
+    stream.epoch_rows(0).count()
+    assert stream.report["heldout_split"] == len(memory.heldout)
     assert documents(stream.heldout_rows()) == documents(memory.heldout_rows())
 
 
@@ -94,6 +99,7 @@ def test_streaming_near_dedup_drops_a_near_copy(tmp_path, tokenizer):
     path = write(tmp_path / "train.jsonl", records)
     data = prepare_sft_data(config([path], streaming=True, max_length=256, dedup={"near": True, "threshold": 0.8}),
                             tokenizer, seed=0)
+    data.epoch_rows(0).count()  # the report counts what a pass has read
     assert data.report["dedup"]["near_duplicates"] == 1 and data.report["samples"] == 2
 
 
@@ -103,9 +109,9 @@ def test_streaming_mix_follows_the_weights_while_every_group_is_buffered(tmp_pat
     mix = {"by": ["domain"], "weights": {"a": 3, "b": 1, "c": 0}}
     data = prepare_sft_data(config([path], streaming=True, pack=False, mix=mix, stream={"mix_buffer": 200}),
                             tokenizer, seed=0)
-    assert data.report["mixed_out"] == 600
     assert data.report["mix_rates"] == {"a": 1.5, "b": 0.5, "c": 0.0}
     rows = data.epoch_rows(0)[0:None]
+    assert data.report["mixed_out"] == 600
     answers = Counter(_answer(tokenizer, row)[0] for row in rows)
     assert abs(len(rows) - 1200) < 60 and set(answers) == {"a", "b"}
     assert 0.71 < answers["a"] / len(rows) < 0.79  # the in-memory mix's 75%, in expectation
@@ -123,4 +129,47 @@ def test_streaming_decontaminates_against_the_eval_set(tmp_path, tokenizer):
     evals = write(tmp_path / "eval.jsonl", [chat("what is 7+7?", "14")])
     data = prepare_sft_data(config([path], streaming=True, decontaminate={"against": [{"path": str(evals)}]}),
                             tokenizer, seed=0)
+    data.epoch_rows(0).count()
     assert data.report["decontaminated"] == 1 and data.report["samples"] == 49
+
+
+def test_training_streams_each_epoch_once_and_ends_it_without_counting(tmp_path, tokenizer, monkeypatch):
+    """The loop finds an epoch's end by reading past it: each epoch is one pass over the file, none before."""
+    from posttrain.data import stream as stream_module
+    from posttrain.train import Cursor, StepFigures, train_loop
+
+    passes = []
+    real = stream_module.iter_samples
+    monkeypatch.setattr(stream_module, "iter_samples", lambda *a, **k: (passes.append(1), real(*a, **k))[1])
+    path = write(tmp_path / "train.jsonl", [chat(f"what is {i}+{i}?", str(2 * i)) for i in range(120)])
+    data = prepare_sft_data(config([path], streaming=True, pack=False), tokenizer, seed=0)
+    assert passes == []  # preparing reads nothing: no counting pass
+    seen: list[tuple[int, int]] = []
+
+    def step(rows):
+        seen.append((cursor.epoch, len(rows)))
+        return StepFigures(loss=0.0, grad_norm=0.0, weight=1, tokens=sum(len(r) for r in rows))
+
+    class Train:
+        batch_size, max_minutes, log_every, eval_every, save_every = 50, None, 1, 0, 0
+
+    class Tracker:
+        logged = []
+        def log(self, metrics, step): self.logged.append(metrics)
+        def start_progress(self, total, done=0): pass
+        def advance(self, step, text): pass
+
+    class Scheduler:
+        def get_last_lr(self): return [0.1]
+
+    cursor, tracker = Cursor(), Tracker()
+    train_loop("sft", Train(), cursor, 7, epoch_items=data.epoch_rows, step=step, scheduler=Scheduler(),
+               tracker=tracker, save=lambda: None)
+    # 120 rows in steps of 50: a short last step ends each epoch; three epochs started, three passes
+    assert seen == [(0, 50), (0, 50), (0, 20), (1, 50), (1, 50), (1, 20), (2, 50)]
+    assert len(passes) == 3 and (cursor.epoch, cursor.row) == (2, 50)
+    assert [m["train/epoch"] for m in tracker.logged][:3] == [0.0, 0.0, 1.0]  # known once read to its end
+    assert data.report["read_to_end"] and data.report["samples"] == 120
+    with pytest.raises(DataError, match="no training sample left"):
+        empty = write(tmp_path / "empty.jsonl", [chat("what is 1+1?", "2")])
+        prepare_sft_data(config([empty], streaming=True, heldout_fraction=0.99), tokenizer, seed=0).epoch_rows(0)[0:1]

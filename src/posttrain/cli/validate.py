@@ -95,6 +95,7 @@ def marked(tokenizer: Any, input_ids: list[int], loss_mask: list[int]) -> str:
 def _sft(recipe: Any) -> None:
     from posttrain.data import prepare_sft_data, read_all_texts
     from posttrain.models import load_tokenizer
+    from posttrain.train import count_items
 
     _describe_model(recipe.model)
     corpus = read_all_texts(recipe.data) if recipe.model.path is None and not recipe.model.tokenizer_path else None
@@ -102,8 +103,9 @@ def _sft(recipe: Any) -> None:
     _describe_tokenizer(tokenizer, recipe.model)
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed)
     rows = data.epoch_rows(0)  # a streaming epoch is read by forward slices: take what is needed as slices
+    row_count = count_items(rows)  # validate reads the data through: a streamed epoch is counted by a pass
     if recipe.data.streaming:
-        print(f"[validate] data: streamed, {len(rows)} packed rows in the first epoch "
+        print(f"[validate] data: streamed, {row_count} packed rows in the first epoch "
               f"({len(data.heldout)} held-out samples)")
         sample = rows[0:1][0]
     else:
@@ -114,11 +116,11 @@ def _sft(recipe: Any) -> None:
     shown = marked(tokenizer, sample.input_ids, sample.loss_mask)
     print(f"[validate] one {'packed row' if recipe.data.streaming else 'sample'} ({len(sample.input_ids)} tokens, "
         f"{sum(sample.loss_mask)} trained, {OPEN}trained{CLOSE}):\n{shown}")
-    tokens_per_epoch = sum(len(row) for row in rows[0:len(rows)])
-    steps_per_epoch = max(1, math.ceil(len(rows) / recipe.train.batch_size))
+    tokens_per_epoch = sum(len(row) for row in rows[0:row_count])
+    steps_per_epoch = max(1, math.ceil(row_count / recipe.train.batch_size))
     steps = recipe.train.max_steps or math.ceil(steps_per_epoch * recipe.train.epochs)
     epochs = steps / steps_per_epoch
-    print(f"[validate] estimate: {steps} steps ({len(rows)} rows of up to {recipe.data.max_length} tokens per epoch, "
+    print(f"[validate] estimate: {steps} steps ({row_count} rows of up to {recipe.data.max_length} tokens per epoch, "
         f"batch {recipe.train.batch_size}: {epochs:.2f} epochs), ~{tokens_per_epoch * epochs:,.0f} tokens")
 
 

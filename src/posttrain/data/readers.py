@@ -40,13 +40,16 @@ class RejectLog:
 
     With ``append=False`` an existing file is removed first, so the file holds this run's rejects only.
     With no path the rejects are only counted (for a pass that is not the one that reports them).
+    `already_written`: the first that many rejects are only counted -- a streaming pass re-reads the same
+    records in the same order, so the rejects an earlier pass wrote come first and are not written twice.
     """
 
-    def __init__(self, path: str | Path | None, append: bool = True):
+    def __init__(self, path: str | Path | None, append: bool = True, already_written: int = 0):
         self.path = Path(path) if path is not None else None
         if self.path is not None and not append:
             self.path.unlink(missing_ok=True)
         self.counts: dict[str, int] = {}
+        self.already_written = already_written
         self._handle = None
 
     @property
@@ -55,7 +58,7 @@ class RejectLog:
 
     def add(self, file: str, location: str, error: str, raw: Any) -> None:
         self.counts[file] = self.counts.get(file, 0) + 1
-        if self.path is None:
+        if self.path is None or self.count <= self.already_written:
             return
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)

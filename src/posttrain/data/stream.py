@@ -30,8 +30,12 @@ What stays in memory, and why it is bounded (docs/data.md has the figures):
 * packing: best-fit decreasing within windows of `stream.pack_window` samples, rows shuffled per window.
 
 Everything depends only on (seed, epoch), so an epoch re-streams identically: the trainer's cursor
-(epoch, row) resumes exactly by skipping rows. `len(epoch_rows(e))` counts the epoch's rows with one
-streaming pass (cached), so steps per epoch and the LR schedule are exact.
+(epoch, row) resumes exactly by skipping rows. An epoch is never counted to be trained: the trainer reads it by
+forward slices and its end is the slice that comes back empty (`RowStream.known_length` is set then). Only a
+caller that needs the number before training (`train.epochs` with no `train.max_steps`, to size the LR
+schedule; `posttrain validate`) asks for it, with `RowStream.count()`: one streaming pass, cached.
+The held-out samples `heldout_fraction` splits off are collected by reading (not tokenizing) only until
+`stream.heldout_max` of them are found; the report's counts are the training pass's, as far as it has read.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from datasketch import MinHash, MinHashLSH
 
 from posttrain.config import SFTDataConfig
 from posttrain.data.decontaminate import Decontaminator, read_eval_items
-from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text, normalize_text
+from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text
 from posttrain.data.mixing import _apportion, _weights, group_name
 from posttrain.data.packing import Row, _best_fit_decreasing, _make_row, build_epoch
 from posttrain.data.readers import RejectLog, iter_samples
@@ -106,8 +110,8 @@ class StreamDedup:
         self.exact_duplicates = self.near_duplicates = 0
 
     def keep(self, sample: SFTSample) -> bool:
-        text = conversation_text(sample.messages)
-        if self.exact is not None and not self.exact.add(normalize_text(text).encode()):
+        text = conversation_text(sample.messages)  # normalized message by message: the exact key as it is
+        if self.exact is not None and not self.exact.add(text.encode()):
             self.exact_duplicates += 1
             return False
         if self.near is not None:
@@ -269,19 +273,23 @@ def stream_packed(config: SFTDataConfig, items: Iterator[TokenizedSample], rng: 
 
 
 class RowStream:
-    """The rows of one streaming epoch as the trainer reads them: `len` (one counting pass, cached) and
-    forward slices ``rows[a:b]`` (a slice before the current position re-streams the epoch from its start)."""
+    """The rows of one streaming epoch as the trainer reads them: forward slices ``rows[a:b]`` (a slice before
+    the current position re-streams the epoch from its start). It has no `len`: the epoch ends where a slice
+    comes back short or empty, and `known_length` is the number of rows from then on (None before);
+    `count()` counts them with a pass of its own."""
 
     def __init__(self, data: StreamingSFTData, epoch: int):
         self.data, self.epoch = data, epoch
-        self._length: int | None = None
         self._iterator: Iterator[Row] | None = None
         self._position = 0
 
-    def __len__(self) -> int:
-        if self._length is None:
-            self._length = self.data.count_rows(self.epoch)
-        return self._length
+    @property
+    def known_length(self) -> int | None:
+        return self.data.known_rows(self.epoch)
+
+    def count(self) -> int:
+        """The epoch's rows, by one streaming pass (cached; none if the epoch was already read to its end)."""
+        return self.data.count_rows(self.epoch)
 
     def __getitem__(self, index: slice) -> list[Row]:
         if not isinstance(index, slice) or index.step not in (None, 1):
@@ -314,27 +322,41 @@ class StreamingSFTData:
         if config.decontaminate.against:
             items = [item for source in config.decontaminate.against for item in read_eval_items(source)]
             self.decontaminator = Decontaminator(items, tokenizer, config.decontaminate.ngram)
-        self.report: dict[str, Any] = {"streaming": True}
+        self._report: dict[str, Any] = {"streaming": True, "read_to_end": False}
+        self._live: tuple[StreamStats, int] | None = None  # the pass the report follows until one completes
+        self._complete = False
         self._counts: dict[int, int] = {}
+        self._rejects_written = 0  # every pass meets the same rejects in the same order: written once
         self.rates: dict[str, float] | None = None
         if config.mix.by or config.mix.samples_per_epoch or config.mix.weights:
             self.rates = mix_rates(config, self.survey())
-            self.report["mix_rates"] = {name: round(rate, 6) for name, rate in self.rates.items()}
+            self._report["mix_rates"] = {name: round(rate, 6) for name, rate in self.rates.items()}
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """What the data report knows: the first completed pass's counts (``read_to_end: True``), or those of
+        the latest pass so far, as far as it has read."""
+        report = dict(self._report)
+        if self._live is not None:
+            stats, epoch = self._live
+            report.update(stats.report(), epoch=epoch, read_to_end=False)
+        return report
 
     @property
     def has_heldout(self) -> bool:
         return bool(self.heldout)
 
-    def iter_rows(self, epoch: int, stats: StreamStats | None = None,
-                  heldout_sink: list[SFTSample] | None = None) -> Iterator[Row]:
+    def iter_rows(self, epoch: int, stats: StreamStats | None = None) -> Iterator[Row]:
         """Every row of `epoch`, deterministic in (seed, epoch); `stats` fills in as the rows are read."""
         stats = stats if stats is not None else StreamStats()
         rng = np.random.default_rng([self.seed % (1 << 64), epoch % (1 << 64), 0x57AE])
         rejects = None
-        if self.config.on_invalid == "skip":  # written on the first pass only: every pass sees the same rejects
-            rejects = RejectLog(self.rejects_path if not self._counts else None)
+        if self.config.on_invalid == "skip":
+            rejects = RejectLog(self.rejects_path, already_written=self._rejects_written)
+        if not self._complete:
+            self._live = (stats, epoch)
         try:
-            samples = stream_samples(self.config, stats, rejects, self.heldout_prompts, heldout_sink)
+            samples = stream_samples(self.config, stats, rejects, self.heldout_prompts)
             tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
             mixed = stream_mixed(self.config, tokenized, rng, stats, self.rates)
             yield from stream_packed(self.config, mixed, rng, stats)
@@ -342,6 +364,14 @@ class StreamingSFTData:
             if rejects is not None:
                 rejects.close()
                 stats.dedup["rejected"] = rejects.count
+                self._rejects_written = max(self._rejects_written, rejects.count)
+        if not stats.samples:
+            raise DataError("data.train: no training sample left after reading, dedup, decontamination and "
+                            "tokenization")
+        self._counts[epoch] = stats.rows
+        if not self._complete:
+            self._complete, self._live = True, None
+            self._report.update(stats.report(), epoch=epoch, read_to_end=True)
 
     def survey(self) -> dict[str, int]:
         """Samples available per mix group after dedup, the held-out split and decontamination (one pass,
@@ -364,17 +394,27 @@ class StreamingSFTData:
         count()
         return available
 
-    def count_rows(self, epoch: int, heldout_sink: list[SFTSample] | None = None) -> int:
-        """The rows of `epoch`, counted by one streaming pass (cached); the first pass fills `report`."""
+    def count_rows(self, epoch: int) -> int:
+        """The rows of `epoch`, counted by one streaming pass unless a pass has already read it to its end."""
         if epoch not in self._counts:
-            stats = StreamStats()
-            self._counts[epoch] = sum(1 for _ in self.iter_rows(epoch, stats, heldout_sink))
-            if not stats.samples:
-                raise DataError("data.train: no training sample left after reading, dedup, decontamination and "
-                                "tokenization")
-            if "epoch" not in self.report:
-                self.report.update(stats.report(), epoch=epoch)
+            for _ in self.iter_rows(epoch):
+                pass
         return self._counts[epoch]
+
+    def known_rows(self, epoch: int) -> int | None:
+        """The rows of `epoch` if a pass has read it to its end, else None."""
+        return self._counts.get(epoch)
+
+    def collect_heldout(self) -> list[SFTSample]:
+        """The samples `heldout_fraction` splits off, the first `stream.heldout_max` of them: a pass that reads
+        and deduplicates (dedup decides each sample from those before it, so a prefix decides as the whole
+        pass does) and stops once it has them."""
+        split_off: list[SFTSample] = []
+        rejects = RejectLog(None) if self.config.on_invalid == "skip" else None
+        for _ in stream_samples(self.config, StreamStats(), rejects, self.heldout_prompts, split_off):
+            if len(split_off) >= self.config.stream.heldout_max:
+                break
+        return split_off
 
     def epoch_rows(self, epoch: int) -> RowStream:
         return RowStream(self, epoch)
@@ -386,9 +426,9 @@ class StreamingSFTData:
 
 def prepare_streaming_sft_data(config: SFTDataConfig, tokenizer: Any, *, seed: int,
                                rejects_path: Any = None) -> StreamingSFTData:
-    """The streaming counterpart of `prepare_sft_data`: held-out sources are read (and tokenized) here,
-    the train sources are read when the rows are (and once first, to count epoch 0's rows and collect the
-    samples `heldout_fraction` splits off)."""
+    """The streaming counterpart of `prepare_sft_data`: held-out sources are read (and tokenized) here, or the
+    samples `heldout_fraction` splits off are collected by a partial pass; the train sources are read when the
+    rows are (never counted first)."""
     rejects = RejectLog(rejects_path, append=False) if config.on_invalid == "skip" else None
     try:
         given = [s for source in config.heldout for s in iter_samples(source, config.on_invalid, rejects)]
@@ -396,8 +436,8 @@ def prepare_streaming_sft_data(config: SFTDataConfig, tokenizer: Any, *, seed: i
         if rejects is not None:
             rejects.close()
     data = StreamingSFTData(config, tokenizer, seed, rejects_path, [], {sample.prompt_text for sample in given})
-    split_off: list[SFTSample] = []
-    data.count_rows(0, heldout_sink=split_off)
-    data.heldout = tokenize_samples(given or split_off, tokenizer, config.max_length, config.reasoning).samples
-    data.report["heldout"] = {"samples": len(data.heldout)}
+    if not given and config.heldout_fraction > 0:
+        given = data.collect_heldout()
+    data.heldout = tokenize_samples(given, tokenizer, config.max_length, config.reasoning).samples
+    data._report["heldout"] = {"samples": len(data.heldout)}
     return data

@@ -247,6 +247,11 @@ def _render_sample(
 def _encode(texts: list[str], tokenizer: Any) -> list[tuple[list[int], list[tuple[int, int]]]]:
     if not texts:
         return []
+    backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        # The Rust tokenizer's own batch call: transformers' wrapper converts every encoding to Python dicts
+        # (a third of the time). Only when no truncation or padding is left set on it by an earlier call.
+        return [(encoding.ids, encoding.offsets) for encoding in backend.encode_batch(texts, add_special_tokens=False)]
     try:
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError as error:

@@ -26,7 +26,7 @@ from posttrain.train.forward import (
     target_logprobs,
 )
 from posttrain.train.memory import PeakMemory
-from posttrain.train.loop import Cursor, StepFigures, train_loop
+from posttrain.train.loop import Cursor, StepFigures, count_items, train_loop
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.optim import build_optimizer, build_scheduler, load_optimizer_state, lr_factor
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
@@ -76,6 +76,7 @@ __all__ = [
     "chunked_head_stats",
     "clipped_value_loss",
     "context_parallel_loss_sum",
+    "count_items",
     "entropy_from_logits",
     "find_checkpoint",
     "forward_kl",

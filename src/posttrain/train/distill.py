@@ -51,7 +51,7 @@ from posttrain.train.checkpoint import find_checkpoint, restore_training, save_t
 from posttrain.train.distill_losses import forward_kl, token_divergence
 from posttrain.train.forward import selected_logits
 from posttrain.train.losses import sft_loss_sum
-from posttrain.train.loop import Cursor, StepFigures, train_loop
+from posttrain.train.loop import Cursor, StepFigures, count_items, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
 from posttrain.types import Trajectory
@@ -158,8 +158,8 @@ def run_distill(
         total_steps = recipe.train.max_steps
         epoch_items = lambda epoch: range(total_steps * batch_size)  # noqa: E731  (slots; samples come per step)
     else:
-        steps_per_epoch = max(1, math.ceil(len(data_rows(0)) / batch_size))
-        total_steps = recipe.train.max_steps or math.ceil(recipe.train.epochs * steps_per_epoch)
+        total_steps = recipe.train.max_steps or math.ceil(
+            recipe.train.epochs * max(1, math.ceil(count_items(data_rows(0)) / batch_size)))
         epoch_items = data_rows
     optimizer = build_optimizer(student, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)

@@ -4,13 +4,16 @@
                         scheduler=scheduler, tracker=tracker, save=save, evaluate=evaluate, progress=describe)
 
 A recipe brings what is its own: `epoch_items(epoch)` (the epoch's rows or pair indices, a pure function of the
-seed and the epoch, so a resume replays the order exactly) and `step(items)`, one optimizer step over a batch of
+seed and the epoch, so a resume replays the order exactly; anything sliced by `items[a:b]`) and `step(items)`, one optimizer step over a batch of
 them (forward, backward, the optimizer step) that reports its `StepFigures`. The loop owns the rest, written once:
 
 - stop at `total_steps`, or when `train.max_minutes` of training time is spent (time in steps only, so a resume
   continues the budget) -- a safety cap, so it warns: where it cuts a run short the outcome depends on the
   machine's speed and load; `cursor.stopped_by` says which ended the run ("steps", "time_cap", "early_stopping");
-- roll over to the next epoch when its items run out (a step never spans two epochs: the last one is short);
+- roll over to the next epoch when its items run out (a step never spans two epochs: the last one is short).
+  The end of an epoch is found by reading past it (an empty slice), never by counting it: `epoch_items` may be a
+  list or a stream read by forward slices (`posttrain.data.RowStream`), which has no `len` -- counting a stream
+  would cost a pass over the data;
 - every `log_every` steps, log the window's means (`sums / weight` over the steps since the last log: token-
   weighted for SFT, per pair for DPO and RM), grad norm, learning rate, throughput and epoch position;
 - every `eval_every` steps, `evaluate()`, which returns True to stop early; every `save_every` steps, `save()`
@@ -88,10 +91,13 @@ def train_loop(
                 f"{cursor.step} of {total_steps}: the result now depends on this machine's speed and load")
             cursor.stopped_by = "time_cap"
             break
-        if cursor.row >= len(items):
+        batch = list(items[cursor.row : cursor.row + config.batch_size])
+        if not batch:  # read past the epoch's end: the next epoch starts
             cursor.epoch, cursor.row = cursor.epoch + 1, 0
             items = epoch_items(cursor.epoch)
-        batch = list(items[cursor.row : cursor.row + config.batch_size])
+            batch = list(items[0 : config.batch_size])
+            if not batch:
+                raise ValueError(f"[{stage}] epoch {cursor.epoch} has no items to train on")
         started = time.perf_counter()
         figures = step(batch)
         cursor.train_seconds += time.perf_counter() - started
@@ -105,7 +111,8 @@ def train_loop(
             on_step(cursor.step, {"loss": figures.loss, "grad_norm": figures.grad_norm})
         if cursor.step % config.log_every == 0 or cursor.step == total_steps:
             metrics = window.metrics(figures.grad_norm, scheduler.get_last_lr()[0], rate_name)
-            metrics["train/epoch"] = cursor.epoch + cursor.row / max(len(items), 1)
+            length = _known_length(items)
+            metrics["train/epoch"] = cursor.epoch + (cursor.row / max(length, 1) if length is not None else 0.0)
             tracker.log(metrics, step=cursor.step)
             tracker.advance(cursor.step, progress(metrics) if progress else "")
             window = _Window()
@@ -116,6 +123,19 @@ def train_loop(
         if config.save_every and cursor.step % config.save_every == 0 and cursor.step < total_steps:
             save()
     return last_loss
+
+
+def count_items(items: Any) -> int:
+    """An epoch's length for a recipe that must know it before training (to size the LR schedule from
+    `train.epochs`): a list's `len`, a stream's `count()` -- a pass over the data, so only when asked."""
+    return len(items) if hasattr(items, "__len__") else items.count()
+
+
+def _known_length(items: Any) -> int | None:
+    """The epoch's length where it is known without a pass: a list's, or a stream's once read to its end."""
+    if hasattr(items, "known_length"):
+        return items.known_length
+    return len(items) if hasattr(items, "__len__") else None
 
 
 class _Window:

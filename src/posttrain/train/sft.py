@@ -32,7 +32,7 @@ from posttrain.train.checkpoint import find_checkpoint, restore_training, save_t
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.memory import PeakMemory
-from posttrain.train.loop import Cursor, StepFigures, train_loop
+from posttrain.train.loop import Cursor, StepFigures, count_items, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.parallel import LOCAL, DataParallel
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
@@ -92,9 +92,13 @@ def run_sft(
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
     model = parallel.shard_model(model, recipe.cluster.data_parallel)
 
-    rows_per_epoch = len(data.epoch_rows(0))
-    steps_per_epoch = max(1, math.ceil(rows_per_epoch / recipe.train.batch_size))
-    total_steps = recipe.train.max_steps or math.ceil(recipe.train.epochs * steps_per_epoch)
+    # A streamed epoch has no length: it is counted (one pass) only when the schedule's length must come from
+    # train.epochs; in training it ends where its data does.
+    first_epoch = data.epoch_rows(0)
+    streamed = not hasattr(first_epoch, "__len__")
+    rows_per_epoch = None if streamed and recipe.train.max_steps else count_items(first_epoch)
+    total_steps = recipe.train.max_steps or math.ceil(
+        recipe.train.epochs * max(1, math.ceil(rows_per_epoch / recipe.train.batch_size)))
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
     state = None
@@ -108,8 +112,8 @@ def run_sft(
         tracker.log({f"data/{k}": v for k, v in _flat(data.report).items()}, step=0)
     if writer:
         say(
-            f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, {rows_per_epoch} "
-            f"rows/epoch, {total_steps} steps, {runtime.precision} on {runtime.device}"
+            f"[sft] {count_parameters(model, trainable_only=True):,} trainable parameters, "
+            f"{'streamed rows' if rows_per_epoch is None else f'{rows_per_epoch} rows/epoch'}, {total_steps} steps, {runtime.precision} on {runtime.device}"
         )
 
     def save() -> None:
