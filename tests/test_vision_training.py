@@ -175,3 +175,13 @@ def test_lora_on_the_tiny_vlm_trains_adapters_and_the_engine_runs_the_merged_pol
     assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
     engine = image_engine(model, processor)  # the adapters merged into a plain copy
     assert image_self_test(engine, model, processor, _tasks(2))["gap_abs_max"] < 1e-4
+
+
+def test_the_vllm_engine_refuses_image_prompts_instead_of_dropping_the_image():
+    from posttrain.rollout import RolloutError, VLLMEngine
+    from posttrain.types import GenerationRequest
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the check runs before anything of vLLM's
+    request = GenerationRequest([1, 2, 3], image_inputs={"pixel_values": torch.zeros(1, 3, 32, 32)})
+    with pytest.raises(RolloutError, match="image prompts"):
+        engine.generate([request], SamplingParams(max_new_tokens=2))
