@@ -168,10 +168,11 @@ def test_lora_on_the_tiny_vlm_trains_adapters_and_the_engine_runs_the_merged_pol
     from posttrain.models import apply_lora
 
     model, processor = build_tiny_vlm(tiny_tokenizer, seed=4)
+    torch.manual_seed(0)  # the adapters' initialisation
     model = apply_lora(model, LoraConfig(r=4, alpha=8))
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
-    result = run_vision_sft(model, processor, _demonstrations(_tasks(8)), steps=4, lr=1e-2, batch_size=4)
-    assert result.losses[-1] < result.losses[0]
+    result = run_vision_sft(model, processor, _demonstrations(_tasks(8)), steps=6, lr=1e-2, batch_size=8)
+    assert result.losses[-1] < result.losses[0]  # every step sees the same 8 chats
     assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
     engine = image_engine(model, processor)  # the adapters merged into a plain copy
     assert image_self_test(engine, model, processor, _tasks(2))["gap_abs_max"] < 1e-4
