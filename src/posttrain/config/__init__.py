@@ -60,6 +60,7 @@ from posttrain.config.rl import (  # registers stage "rl" on import of config
     ScheduleConfig,
 )
 from posttrain.config.demo import DemoRecipe  # noqa: I001  (after rl: the demo recipe holds the stage recipes)
+from posttrain.config.vlm import VLMDemoRecipe, VLMRLConfig, VLMSFTConfig
 from posttrain.config.load import RECIPES, ConfigError, dump_recipe, load_recipe, parse_override, recipe
 from posttrain.config.sft import (
     DataSource,
@@ -85,6 +86,9 @@ __all__ = [
     "DecontaminationConfig",
     "DedupConfig",
     "DemoRecipe",
+    "VLMDemoRecipe",
+    "VLMRLConfig",
+    "VLMSFTConfig",
     "DistillLossConfig",
     "DistillRecipe",
     "DistillTasksConfig",

@@ -33,6 +33,8 @@ from posttrain.evaluate.metrics import (
 )
 from posttrain.evaluate.pipeline import EvalResult, evaluate, write_results
 from posttrain.evaluate.report import render_report
+from posttrain.evaluate.image_report import image_section, image_suite_json
+from posttrain.evaluate.images import ImageAnswer, ImageCase, ImageSuiteScore, sample_image_tasks, score_image_suite, thumbnail
 from posttrain.evaluate.runner import Policy, RunStats, SuiteEvaluator, load_policy, run_items, score_suites
 from posttrain.evaluate.suites import (
     Suite,
@@ -47,6 +49,14 @@ from posttrain.evaluate.console import print_results
 from posttrain.evaluate.tiers import TierSpeed, measure_tier, tier_prompts, tier_table
 
 __all__ = [
+    "ImageAnswer",
+    "ImageCase",
+    "ImageSuiteScore",
+    "image_section",
+    "image_suite_json",
+    "sample_image_tasks",
+    "score_image_suite",
+    "thumbnail",
     "EvalError",
     "EvalResult",
     "FAILURE_CLASSES",

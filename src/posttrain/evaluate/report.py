@@ -4,7 +4,7 @@ results JSON alone, so ``render_report(json.load(open("results.json")))`` re-ren
 Sections: headline cards for the headline checkpoint (`report.headline`; by default the last one, with the change
 from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
-fresh draw, safety, a length x depth heat map of the long-context suites, training curves, process metrics,
+fresh draw, image suites with thumbnails of the bad cases (`evaluate.image_report`), safety, a length x depth heat map of the long-context suites, training curves, process metrics,
 failure classes with transcripts, contamination, held-out hygiene, regression floors, the tier table (accuracy
 against tokens/s and p50 latency per serving tier, with two plots) and the run's settings. Everything that came
 from a model, a dataset or a file name is escaped (`html.escape`) before it is written.
@@ -19,6 +19,7 @@ from string import Template
 from typing import Any, Iterable
 
 from posttrain.evaluate.failures import FAILURE_LABELS
+from posttrain.evaluate.image_report import image_section
 from posttrain.evaluate.metrics import FAILURE_CLASSES
 from posttrain.evaluate.svg import bar_chart, color, heat_map, line_chart, scatter_chart, stacked_bars
 
@@ -31,7 +32,8 @@ MAX_CONTAMINATED_ROWS = 200
 def render_report(results: dict[str, Any]) -> str:
     view = _View(results)
     body = "".join([
-        _header(view), _nav(view), "<main>", _summary(view), _domains(view), _fresh(view), _safety(view),
+        _header(view), _nav(view), "<main>", _summary(view), _domains(view),
+        image_section(results.get("images", {})), _fresh(view), _safety(view),
         _long_context(view), _curves(view), _process(view), _failures(view), _contamination(view), _hygiene(view),
         _regressions(view), _tiers(view), _settings(view), "</main>",
         f'<footer>posttrain evaluation · {_e(results.get("format", ""))} · rendered from results.json</footer>',
@@ -90,14 +92,15 @@ def _header(view: _View) -> str:
 
 
 def _nav(view: _View) -> str:
-    links = [("summary", "Summary"), ("domains", "Domains"), ("fresh", "Fresh draw"), ("safety", "Safety"),
+    links = [("summary", "Summary"), ("domains", "Domains"), ("images", "Images"), ("fresh", "Fresh draw"),
+             ("safety", "Safety"),
              ("long-context", "Long context"), ("curves", "Training curves"), ("process", "Process"), ("failures", "Failures"),
              ("contamination", "Contamination"), ("hygiene", "Hygiene"), ("regressions", "Regressions"),
              ("tiers", "Tiers"), ("settings", "Settings")]
     present = {"safety": bool(view.safety_suites), "curves": bool(view.results.get("curves")),
                "regressions": bool(view.results.get("regressions")), "fresh": bool(view.results.get("fresh_gap")),
                "tiers": bool((view.results.get("tiers") or {}).get("rows")),
-               "long-context": bool(_long_context_suites(view))}
+               "long-context": bool(_long_context_suites(view)), "images": bool(view.results.get("images"))}
     return "<nav>" + "".join(f'<a href="#{key}">{text}</a>' for key, text in links if present.get(key, True)) + "</nav>"
 
 

@@ -37,20 +37,24 @@ from posttrain.models.quantize import TARGETS as QUANTIZE_TARGETS, quantization_
 from posttrain.models.load import VARLEN
 from posttrain.models.vision import (
     IMAGE_TOKEN,
+    TEXT_KEYS as VISION_TEXT_KEYS,
     build_tiny_vlm,
     collate_vision,
     load_vision_model,
     vision_chat_template,
     vision_inputs,
+    vision_request,
 )
 
 __all__ = [
     "IMAGE_TOKEN",
+    "VISION_TEXT_KEYS",
     "build_tiny_vlm",
     "collate_vision",
     "load_vision_model",
     "vision_chat_template",
     "vision_inputs",
+    "vision_request",
     "CHAT_TEMPLATE",
     "END",
     "ModelError",

@@ -10,6 +10,9 @@ Assistant-only labels: the chat is rendered once in full and, for each assistant
 (with the generation prompt) and up to its end; the tokens between are labelled. This needs the template to render
 a conversation's start as a prefix of the whole (every common template does); one that does not is an error.
 
+`vision_request(processor, messages, images)` is an image prompt for an engine (`posttrain.rollout.HFEngine`): the
+prompt's ids with the image tokens expanded, and the image tensors beside them.
+
 `build_tiny_vlm(tokenizer)` is the built-in tiny VLM: a 2-layer CLIP-style vision encoder (32x32 pixels, 8x8
 patches: 16 image tokens), LLaVA's two-layer MLP projector and the tiny Llama (`posttrain.models.tiny`), as an
 ordinary `LlavaForConditionalGeneration` with its `LlavaProcessor`: `save_pretrained` both into one directory and
@@ -35,6 +38,7 @@ from transformers import (
 
 from posttrain.models.load import ModelError, _load_error, _require_dir_or_hub_id
 from posttrain.models.tiny import tiny_config
+from posttrain.types import GenerationRequest
 
 if TYPE_CHECKING:  # Pillow is the `vision` extra: imported where images are handled, not by `import posttrain`
     from PIL import Image
@@ -108,6 +112,18 @@ def vision_inputs(processor: ProcessorMixin, messages: Sequence[dict[str, Any]],
     if not (target != IGNORE_INDEX).any():
         raise ModelError("the chat has no assistant tokens to train on")
     return {**full, "labels": target.unsqueeze(0)}
+
+
+TEXT_KEYS = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids")
+
+
+def vision_request(processor: ProcessorMixin, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
+                   request_id: str = "") -> GenerationRequest:
+    """An engine request for the chat `messages` (prompt turns; rendered with the generation prompt) and its
+    images: the processor's ids (image tokens expanded) and every other tensor it made (``pixel_values`` ...)."""
+    row = vision_inputs(processor, messages, images, labels=False)
+    extra = {key: value for key, value in row.items() if key not in TEXT_KEYS}
+    return GenerationRequest(row["input_ids"][0].tolist(), request_id, image_inputs=extra or None)
 
 
 def collate_vision(rows: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -9,6 +9,11 @@ One `generate` call runs its requests in chunks of at most ``max_batch_size`` se
 4. stops each sequence on its own (`StopRule`: eos / stop tokens / stop strings / length) and compacts the
    batch once an eighth of it has finished, so finished sequences stop costing compute.
 
+A request may be an image prompt (``GenerationRequest.image_inputs``: a vision-language model's pixel tensors,
+its ids already holding the image tokens; `posttrain.models.vision_prompt` builds one): the generic runner feeds
+the images to the prefill and decodes as for text, so the tokens and logprobs follow the same rules. The fast
+decoder and speculative decoding take text prompts only.
+
 Two runners do the model maths: `DecoderRunner` (Llama-family models: preallocated KV caches, the prompt's
 shared by its group, a flat layer loop; the fast path measured in docs/rollout.md) and `GenericRunner`
 (anything, through ``model.forward``). Both give the logprobs of a teacher-forced forward pass of the model, to
@@ -180,7 +185,8 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_length = context_length(model.config)  # extended by model.rope_scaling where set
+        # extended by model.rope_scaling where set; a vision-language model's is its language model's
+        self.max_length = context_length(getattr(model.config, "text_config", None) or model.config)
         self._version = policy_version
         self._lock = threading.Lock()
         self.stats = EngineStats()
@@ -231,6 +237,7 @@ class HFEngine:
         s samples exactly what ``generate([request], sampling with seed=s)`` samples (the batcher uses this).
         """
         check_sampling(sampling)
+        self._check_images(requests)
         prompts = [list(r.prompt_token_ids) for r in requests]
         limits = [self._room(i, r, prompt, sampling) for i, (r, prompt) in enumerate(zip(requests, prompts))]
         streams = self._streams(len(requests), sampling, request_seeds)
@@ -248,6 +255,7 @@ class HFEngine:
                         [limits[i] for i in chunk],
                         [stream_seed(*streams[i], j) for i in chunk for j in range(sampling.n)],
                         sampling,
+                        [requests[i].image_inputs for i in chunk],
                     )
                     for position, index in enumerate(chunk):
                         for ids, logprobs, text, reason in outputs[position * sampling.n : (position + 1) * sampling.n]:
@@ -263,6 +271,14 @@ class HFEngine:
         self.stats.generate_calls += 1
         self.stats.generate_s += time.perf_counter() - started
         return results
+
+    def _check_images(self, requests: Sequence[GenerationRequest]) -> None:
+        if not any(r.image_inputs for r in requests):
+            return
+        if self._speculator is not None or isinstance(self._runner, DecoderRunner):
+            what = "speculative decoding" if self._speculator is not None else "the fast decoder"
+            raise RolloutError(f"HFEngine: {what} takes text prompts only; image prompts need runner='generic' "
+                               "(the default for a vision-language model) and no speculation")
 
     def _room(self, index: int, request: GenerationRequest, prompt: list[int], sampling: SamplingParams) -> int:
         """How many tokens this request may generate; raises RolloutError for an unusable prompt."""
@@ -299,7 +315,8 @@ class HFEngine:
         return [order[i : i + per_chunk] for i in range(0, len(order), per_chunk)]
 
     def _run_chunk(
-        self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams
+        self, prompts: list[list[int]], limits: list[int], row_seeds: list[int], sampling: SamplingParams,
+        image_inputs: list[dict[str, Any] | None] | None = None,
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
         record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
@@ -309,7 +326,10 @@ class HFEngine:
         steps = max(row_limits)
         if isinstance(self._runner, DecoderRunner):
             self._runner.kv_dtype = self._kv_dtype(prompts, len(row_limits), steps)
-        logits = self._runner.prefill(prompts, sampling.n, steps)
+        if image_inputs and any(image_inputs):
+            logits = self._runner.prefill(prompts, sampling.n, steps, image_inputs)
+        else:
+            logits = self._runner.prefill(prompts, sampling.n, steps)
         self._note_kv_memory()
         sampler = Sampler(sampling, row_seeds, steps, self.device)
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished

@@ -7,6 +7,11 @@ count real tokens only, so a padded prompt sees the positions it would see alone
 
 The group expansion and the compaction use the cache's own ``batch_repeat_interleave`` /
 ``batch_select_indices`` (transformers' `DynamicCache`).
+
+Image prompts (a vision-language model such as LLaVA): the prefill also gets the prompts' image tensors, joined
+along their first axis in prompt order (how every processor batches them); the model puts each image's features
+in place of its image tokens, so later steps decode from the cache alone. A model that computes its own position
+ids for images (Qwen2-VL's 3-D rotary positions) is not supported here: its position ids are not one per token.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class GenericRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, extra: dict[str, torch.Tensor] | None = None
+             ) -> torch.Tensor:
         with self._context():
             output = self.model(
                 input_ids=ids,
@@ -54,6 +60,7 @@ class GenericRunner:
                 use_cache=True,
                 **self.keep_last,
                 **({self.cache_keyword: self.cache} if self.cache is not None else {}),
+                **(extra or {}),
             )
         self.cache = getattr(output, self.cache_keyword, None)
         if self.cache is None:
@@ -69,7 +76,8 @@ class GenericRunner:
                     total += tensor.numel() * tensor.element_size()
         return total
 
-    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int,
+                image_inputs: list[dict[str, torch.Tensor] | None] | None = None) -> torch.Tensor:
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -79,13 +87,29 @@ class GenericRunner:
         ids, self.mask = ids.to(self.device), mask.to(self.device)
         positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)
         self.cache = None
-        logits = self._run(ids, positions)
+        logits = self._run(ids, positions, self._images(image_inputs or []))
         if rows_per_prompt > 1:
             self.cache.batch_repeat_interleave(rows_per_prompt)
             self.mask = self.mask.repeat_interleave(rows_per_prompt, dim=0)
             logits = logits.repeat_interleave(rows_per_prompt, dim=0)
         self.positions = self.mask.sum(-1)
         return logits
+
+    def _images(self, image_inputs: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+        """The prompts' image tensors joined along the first axis, in prompt order (None: no image prompt)."""
+        present = [inputs for inputs in image_inputs if inputs]
+        if not present:
+            return None
+        keys = present[0].keys()
+        if any(inputs.keys() != keys for inputs in present):
+            raise ValueError("image prompts of one batch carry different image inputs: "
+                             f"{sorted(keys)} vs {sorted(next(i for i in present if i.keys() != keys))}")
+        dtype = next(self.model.parameters()).dtype
+        joined = {}
+        for key in keys:
+            value = torch.cat([inputs[key] for inputs in present]).to(self.device)
+            joined[key] = value.to(dtype) if value.is_floating_point() else value
+        return joined
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)

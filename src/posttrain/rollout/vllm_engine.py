@@ -124,6 +124,9 @@ class VLLMEngine:
         request_seeds: Sequence[int | None] | None = None,
     ) -> list[list[Completion]]:
         check_sampling(sampling)
+        if any(r.image_inputs for r in requests):  # never drop an image silently
+            raise RolloutError("VLLMEngine: image prompts are not supported yet (docs/multimodal.md); sample them "
+                               "with the built-in engine (posttrain.rl.image_engine)")
         truncated = (sampling.top_k > 0 or sampling.top_p < 1) and sampling.temperature > 0
         if truncated and not self.allow_truncated_logprobs:
             raise RolloutError(

@@ -8,7 +8,8 @@ tool use), ``code``, ``repo_fix`` (agentic), ``long_doc_qa``, ``needle`` and ``m
 are lengths in tokens, up to 32k), ``agent`` (another domain's tasks done by a black-box agent program in the
 sandbox), ``dataset`` (a JSONL file or saved Hugging Face dataset of problems with answers), ``tasks``
 (a file or hub dataset of math, code, structured or format tasks: `posttrain.tasks.task_file`),
-``shape_count``, ``largest_colour`` and ``read_digits`` (images drawn with Pillow: `posttrain.tasks.shapes`) and
+``shape_count``, ``largest_colour``, ``read_digits`` (images drawn with Pillow: `posttrain.tasks.shapes`),
+``bar_value`` (a bar's value in a Pillow-drawn bar chart: `posttrain.tasks.charts`) and
 ``reasoning_gym/<name>`` (every generator of the installed reasoning-gym, registered on first use), and other
 ecosystems' environments: ``gym`` (Gymnasium text envs), ``openenv`` (OpenEnv servers) and ``verifiers`` (prime-rl verifiers
 tasksets), `posttrain.tasks.external`. See docs/tasks.md to add one.
@@ -29,6 +30,7 @@ from posttrain.tasks import reasoning_gym as _reasoning_gym  # noqa: F401
 from posttrain.tasks import repo_fix as _repo_fix  # noqa: F401
 from posttrain.tasks import safety as _safety  # noqa: F401
 from posttrain.tasks import shapes as _shapes  # noqa: F401
+from posttrain.tasks import charts as _charts  # noqa: F401  (registers bar_value)
 from posttrain.tasks import task_file as _task_file  # noqa: F401
 from posttrain.tasks.base import (
     DOMAINS,

@@ -47,13 +47,31 @@ from posttrain.train.policy_loss import (
     entropy_from_logits,
     kl_penalty,
     logprob_gap_stats,
+    clipped_policy_loss,
     per_token_policy_loss,
     truncated_importance_weights,
 )
 from posttrain.train.reward_model import run_rm
+from posttrain.train.vision import (
+    ImageSequence,
+    VisionPair,
+    completion_logprobs,
+    run_vision_dpo,
+    run_vision_sft,
+    vision_dpo_loss,
+    vision_sft_loss,
+)
 from posttrain.train.sft import SFTResult, run_sft
 
 __all__ = [
+    "ImageSequence",
+    "VisionPair",
+    "clipped_policy_loss",
+    "completion_logprobs",
+    "run_vision_dpo",
+    "run_vision_sft",
+    "vision_dpo_loss",
+    "vision_sft_loss",
     "AnswerSampler",
     "Cursor",
     "DataParallel",

@@ -1,0 +1,27 @@
+"""The packaged `vlm-demo` recipe loads strictly and runs end to end on a tiny budget: SFT, the image self-test,
+GRPO, three held-out scores, results.json and a report with the image section."""
+
+import json
+
+import pytest
+
+from posttrain.config import ConfigError, VLMDemoRecipe, load_recipe
+from posttrain.demo.vlm import run_vlm_demo
+from posttrain.cli.stages import recipe_path
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_vlm_demo_runs_sft_then_grpo_and_writes_its_figures_and_report(tmp_path):
+    recipe = load_recipe(recipe_path("vlm-demo"), [f"output_dir={tmp_path}", "demos=4", "heldout=2", "sft.steps=2",
+                                                   "rl.steps=1", "rl.tasks_per_step=2", "rl.group_size=2"],
+                         schema=VLMDemoRecipe)
+    figures = run_vlm_demo(recipe)
+    assert set(figures["heldout"]) == {"base", "sft", "rl"}
+    assert figures["rl"]["self_test_gap_max"] < 1e-4
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["images"]) == {"base", "sft", "rl"}
+    assert '<section id="images">' in (tmp_path / "report.html").read_text()
+    assert (tmp_path / "model" / "config.json").is_file()
+    with pytest.raises(ConfigError, match="sft"):
+        load_recipe(recipe_path("vlm-demo"), ["sft.stepz=3"], schema=VLMDemoRecipe)
