@@ -20,8 +20,11 @@ the stream ``stream_seed(seed, 0, j)`` for its sample j, exactly as ``engine.gen
 request_seeds=[seed])`` does, so served and offline samples agree token for token (to float rounding of the
 logits; greedy outputs are equal unless two logits tie within rounding).
 
-Only the fast decoder can join a running batch. With the generic runner (non-Llama models), waiting requests
-are admitted when the batch has drained: correct, but not continuous.
+Both runners join: the fast decoder folds the running rows' KV into prompt slots (`DecoderRunner.join`), the
+generic runner (every other family: sliding windows, soft-caps, fused projections...) stacks transformers'
+dynamic cache layers, left-padding the shorter (`GenericRunner.join`). A model whose cache has other layer
+kinds (static, quantized, linear attention) cannot be stacked: its waiting requests are admitted when the batch
+has drained — correct, but not continuous.
 """
 
 from __future__ import annotations
@@ -179,7 +182,6 @@ class ContinuousBatcher:
             self._runner: DecoderRunner | GenericRunner = DecoderRunner(engine.model, engine.autocast)
         else:
             self._runner = GenericRunner(engine.model, engine.autocast)
-        self._joinable = isinstance(self._runner, DecoderRunner)
         self._rows: list[_Row] = []
         self._settings = _BatchSettings([], self.device)
         self._logits: torch.Tensor | None = None  # next-token logits of the running rows
@@ -300,8 +302,8 @@ class ContinuousBatcher:
         if not self._waiting:
             self._waiting_since = None
             return
-        if self._rows and not self._joinable:
-            return  # the generic runner takes new prompts only into an empty batch
+        if self._rows and not self._can_join():
+            return  # a cache that cannot be stacked takes new prompts only into an empty batch
         if not self._join_now():
             return
         admitted: list[StreamRequest] = []
@@ -310,9 +312,6 @@ class ContinuousBatcher:
             request = self._waiting.popleft()
             if request.cancelled:
                 continue
-            if admitted and not self._joinable and request.sampling.n != admitted[0].sampling.n:
-                self._waiting.appendleft(request)
-                break
             admitted.append(request)
             free -= request.sampling.n
         self._waiting_since = None if not self._waiting else self.steps  # who is left (no room) waits afresh
@@ -321,6 +320,9 @@ class ContinuousBatcher:
         version = self.engine.policy_version
         for n in sorted({r.sampling.n for r in admitted}):  # one join per group size (the runner's prefill)
             group = [r for r in admitted if r.sampling.n == n]
+            if self._rows and not self._can_join():  # back to the queue's head, in arrival order
+                self._waiting.extendleft(reversed([r for r in admitted if r.sampling.n >= n]))
+                break
             new_rows = [row for r in group for row in self._rows_for(r, version)]
             remaining = [row.limit - len(row.tokens) for row in self._rows + new_rows]
             capacity = min(max(remaining), _CAPACITY_STEP)
@@ -334,6 +336,9 @@ class ContinuousBatcher:
             self._capacity = capacity
             self._rows += new_rows
         self._settings = _BatchSettings(self._rows, self.device)
+
+    def _can_join(self) -> bool:
+        return isinstance(self._runner, DecoderRunner) or self._runner.joinable()
 
     def _rows_for(self, request: StreamRequest, version: int) -> list[_Row]:
         sampling = request.sampling
@@ -361,8 +366,8 @@ class ContinuousBatcher:
         self._settings = _BatchSettings(self._rows, self.device)
 
     def _reserve(self) -> None:
-        """Grow the runner's KV columns before a row would write past them."""
-        if not self._joinable:
+        """Grow the runner's KV columns before a row would write past them (the generic cache grows itself)."""
+        if not isinstance(self._runner, DecoderRunner):
             return
         runner: DecoderRunner = self._runner  # type: ignore[assignment]
         if runner.length < self._capacity:
