@@ -159,17 +159,54 @@ def test_a_tool_call_round_trip(client):
 
 
 def test_a_streamed_tool_call_and_a_forced_tool_choice(client):
-    stream = client.chat.completions.create(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
-                                            temperature=0, max_tokens=60, stream=True)
-    chunks = list(stream)
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["calculator"]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""  # the call's text is not content
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    """A call streams as OpenAI's does: id, type and name first, then argument fragments that the openai
+    client's own stream accumulation (`chat.completions.stream`) puts back into the call a plain reply gives."""
+    whole = client.chat.completions.create(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                           temperature=0, max_tokens=60).choices[0].message.tool_calls
+    with client.chat.completions.stream(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                        temperature=0, max_tokens=60) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    deltas = [tc for e in events if e.type == "chunk" and e.chunk.choices
+              for tc in (e.chunk.choices[0].delta.tool_calls or [])]
+    first, *rest = deltas
+    assert first.id and first.type == "function" and first.function.name == "calculator"
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+    assert "".join([first.function.arguments or "", *(d.function.arguments for d in rest)]) \
+        == final.choices[0].message.tool_calls[0].function.arguments
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == whole[0].function.name == "calculator"
+    assert json.loads(call.function.arguments) == json.loads(whole[0].function.arguments) == {"expression": "2+3"}
+    assert not final.choices[0].message.content  # the call's text is not content
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [e.type for e in events].count("tool_calls.function.arguments.done") == 1
     forced = client.chat.completions.create(
         model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR], temperature=0, max_tokens=60,
         tool_choice={"type": "function", "function": {"name": "calculator"}})
     assert forced.choices[0].message.tool_calls[0].function.name == "calculator"
+
+
+def test_tool_call_deltas_stream_the_name_then_the_arguments_as_written():
+    from posttrain.serve.prompting import ToolCallDeltas, merge_call_deltas
+
+    text = ('Let me. <tool_call>{"name": "calc\\u00e9", "arguments": {"expression": "2+\\"3}\\"", "n": [1, {"a": 2}]}}'
+            '</tool_call> and <tool_call>{"name": "echo", "arguments": "{\\"x\\": 1}"}</tool_call>'
+            '<tool_call>{"name": 5}</tool_call>')
+    calls = ToolCallDeltas()
+    deltas = [d for end in range(len(text) + 1) for d in calls.update(text[:end])] + calls.finish(text)
+    assert deltas[0] == {"index": 0, "id": deltas[0]["id"], "type": "function",
+                         "function": {"name": "calcé", "arguments": ""}}
+    fragments = [d for d in deltas[1:] if d["index"] == 0]
+    assert len(fragments) > 10 and all(set(d) == {"index", "function"} for d in fragments)
+    arguments = "".join(d["function"]["arguments"] for d in fragments)
+    assert json.loads(arguments) == {"expression": '2+"3}"', "n": [1, {"a": 2}]}
+    assert arguments.endswith("}]}")  # the fragments stop at the object's end, not the call's
+    echo = [d for d in deltas if d["index"] == 1]  # arguments as a JSON string: sent whole at the end
+    assert echo[0]["function"] == {"name": "echo", "arguments": ""}
+    assert [json.loads(d["function"]["arguments"]) for d in echo[1:]] == [{"x": 1}]
+    assert max(d["index"] for d in deltas) == 1  # the malformed third block is no call
+    merged = merge_call_deltas(deltas)  # one chunk carrying it all: one delta per call
+    assert [d["index"] for d in merged] == [0, 1] and merged[0]["function"]["arguments"] == arguments
 
 
 def test_text_completions(client):
