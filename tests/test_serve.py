@@ -57,6 +57,28 @@ def _alone(server, messages: list[dict], max_tokens: int) -> str:
     return engine.generate([GenerationRequest(ids)], sampling)[0][0].text
 
 
+def _ask_all(url: str, prompts: list[list[dict]], max_tokens: int = 16) -> list[str]:
+    """Every prompt at once from one async client, every other one streamed; the greedy texts, in order."""
+    async def ask_all():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(messages, stream):
+            if not stream:
+                reply = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                              max_tokens=max_tokens)
+                return reply.choices[0].message.content
+            chunks = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                           max_tokens=max_tokens, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in enumerate(prompts)))
+        finally:
+            await aclient.close()
+
+    return asyncio.run(ask_all())
+
+
 def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
@@ -280,25 +302,8 @@ def test_64_concurrent_clients_get_what_each_gets_alone(server):
     prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(64)]
     expected = [_alone(server, messages, 16) for messages in prompts]
 
-    async def ask_all():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        async def one(messages, stream):
-            if not stream:
-                reply = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                              max_tokens=16)
-                return reply.choices[0].message.content
-            chunks = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                           max_tokens=16, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
-
-        try:
-            return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in enumerate(prompts)))
-        finally:
-            await aclient.close()
-
     steps_before = server.backend.batcher.steps
-    got = asyncio.run(ask_all())
+    got = _ask_all(server.url, prompts)
     assert got == expected
     assert server.backend.batcher.steps - steps_before < 64 * 16 / 4, "the requests were not batched together"
 
@@ -328,6 +333,35 @@ def test_an_api_key_is_required_when_set(server):
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=2).choices
         assert _get(keyed.url + "/health")[0] == 200  # probes need no key
+
+
+def test_the_http_side_in_a_process_of_its_own_serves_the_same(server):
+    """`posttrain serve`'s default layout: uvicorn in a child process, the engine loop here, joined by pipes."""
+    engine = server.backend.batcher.engine
+    batcher = ContinuousBatcher(engine)
+    with start_server(HFBackend(batcher), MODEL, http_process=True) as split:
+        client = openai.OpenAI(base_url=split.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(8)] + [_user("Say hello.")]
+        assert _ask_all(split.url, prompts) == [_alone(server, messages, 16) for messages in prompts]
+        with client.chat.completions.stream(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                            temperature=0, max_tokens=60) as stream:
+            final = stream.get_final_completion()
+        assert json.loads(final.choices[0].message.tool_calls[0].function.arguments) == {"expression": "2+3"}
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=100_000)
+        long_stream = client.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."),
+                                                     max_tokens=900, temperature=1.0, stream=True,
+                                                     extra_body={"ignore_eos": True})
+        iterator = iter(long_stream)
+        next(iterator), next(iterator)
+        tokens_before = batcher.completion_tokens
+        long_stream.close()  # the client goes away: the engine (in this process) drops the row
+        deadline = time.monotonic() + 10
+        while batcher.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.running == 0 and batcher.completion_tokens - tokens_before < 850
+        code, text = _get(split.url + "/metrics")
+        assert code == 200 and "posttrain_time_to_first_token_seconds_count" in text
 
 
 # ---- the command ------------------------------------------------------------------------------------------

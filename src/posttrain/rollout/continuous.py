@@ -63,6 +63,31 @@ MAX_JOIN_WAIT_STEPS = 4
 _CAPACITY_STEP = 128
 
 
+def check_room(prompt: Sequence[int], max_new_tokens: int, vocab_size: int, max_length: int | None) -> int:
+    """How many tokens a prompt may generate (at most `max_new_tokens`); RolloutError when it cannot."""
+    if not prompt:
+        raise RolloutError("empty prompt (the engine needs at least one prompt token)")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RolloutError(f"token ids must be in [0, {vocab_size}) for this model")
+    limit = max_new_tokens
+    if max_length is not None:
+        limit = min(limit, max_length - len(prompt))
+        if limit < 1:
+            raise RolloutError(f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                               f"{max_length} tokens")
+    return limit
+
+
+def check_request(prompt: Sequence[int], sampling: SamplingParams, vocab_size: int, max_length: int | None,
+                  max_batch_size: int) -> int:
+    """What `ContinuousBatcher.submit` checks (a RolloutError names what is wrong); the request's token limit."""
+    check_sampling(sampling)
+    limit = check_room(prompt, sampling.max_new_tokens, vocab_size, max_length)
+    if sampling.n > max_batch_size:
+        raise RolloutError(f"n={sampling.n} is more than the batch holds ({max_batch_size} rows)")
+    return limit
+
+
 @dataclass
 class SequenceEvent:
     """What one decode step produced for sequence `index` of a request (one token, and the end when it ended)."""
@@ -195,10 +220,8 @@ class ContinuousBatcher:
 
     def submit(self, request: StreamRequest) -> StreamRequest:
         """Queue `request` (validated now: a RolloutError names what is wrong); it joins at the next step."""
-        check_sampling(request.sampling)
-        self.room(request.prompt_token_ids, request.sampling.max_new_tokens)
-        if request.sampling.n > self.max_batch_size:
-            raise RolloutError(f"n={request.sampling.n} is more than the batch holds ({self.max_batch_size} rows)")
+        check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size, self.engine.max_length,
+                      self.max_batch_size)
         with self._wake:
             self._waiting.append(request)
             self._wake.notify()
@@ -212,17 +235,7 @@ class ContinuousBatcher:
 
     def room(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """How many tokens a prompt may generate (at most `max_new_tokens`); RolloutError when it cannot."""
-        if not prompt:
-            raise RolloutError("empty prompt (the engine needs at least one prompt token)")
-        if min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
-            raise RolloutError(f"token ids must be in [0, {self.engine.vocab_size}) for this model")
-        limit = max_new_tokens
-        if self.engine.max_length is not None:
-            limit = min(limit, self.engine.max_length - len(prompt))
-            if limit < 1:
-                raise RolloutError(f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
-                                   f"{self.engine.max_length} tokens")
-        return limit
+        return check_room(prompt, max_new_tokens, self.engine.vocab_size, self.engine.max_length)
 
     @property
     def waiting(self) -> int:
