@@ -1,10 +1,11 @@
 """Served vs offline: 64 concurrent streaming chat clients against `posttrain serve`, on tiny-3m.
 
     .venv/bin/python bench/serve.py [--clients 64] [--max-tokens 32] [--repeats 3] [--precision auto] [--threads N]
-                                    [--stream-interval SECONDS]
+                                    [--stream-interval SECONDS] [--layout process|thread] [--no-baseline]
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
-(`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn beside it). Per repeat, in turn:
+(`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn in a child process of its own, or
+with ``--layout thread`` on a second thread, ``--http-thread``). Per repeat, in turn:
 
 * served: ``--clients`` concurrent streaming chat requests from the official `openai` async client, temperature
   1, request i seeded with i; completion tokens/s over the wall time from the first request sent to the last
@@ -202,13 +203,13 @@ def server_ttft(url: str) -> tuple[float, int]:
 
 
 def start_server(checkpoint: Path, port: int, precision: str, threads: int | None,
-                 stream_interval: float) -> subprocess.Popen:
+                 stream_interval: float, layout: str) -> subprocess.Popen:
     source = Path(__file__).resolve().parent.parent / "src"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "serve", str(checkpoint), "--port", str(port), "--model-name", MODEL,
          "--precision", precision, "--stream-interval", str(stream_interval),
-         *(["--threads", str(threads)] if threads else [])],
+         *(["--threads", str(threads)] if threads else []), *(["--http-thread"] if layout == "thread" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = []  # warnings a library prints on import (torchao's, say) come before the banner
     while not seen or "127.0.0.1" not in seen[-1]:
@@ -232,6 +233,9 @@ def main() -> None:
                         help="raw: lean asyncio clients that parse only the usage chunk; openai: the official SDK")
     parser.add_argument("--stream-interval", type=float, default=0.0,
                         help="the server's --stream-interval (seconds between a request's stream chunks at least)")
+    parser.add_argument("--layout", default="process", choices=["process", "thread"],
+                        help="the server's HTTP side: in a process of its own (the default) or on a thread")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers' one-at-a-time baseline")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -246,7 +250,7 @@ def main() -> None:
             encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
         port = free_port()
-        server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval)
+        server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval, args.layout)
         url = f"http://127.0.0.1:{port}"
         clients = RawClients(url) if args.client == "raw" else Clients(url)
         try:
@@ -275,8 +279,9 @@ def main() -> None:
             clients.close()
             server.terminate()
             server.wait(timeout=30)
-        base_tokens, base_seconds, base_ttfts = baseline(engine.model, engine.tokenizer, prompt_ids,
-                                                         args.max_tokens)
+        if not args.no_baseline:
+            base_tokens, base_seconds, base_ttfts = baseline(engine.model, engine.tokenizer, prompt_ids,
+                                                             args.max_tokens)
 
     served_rate, offline_rate = statistics.median(served_rates), statistics.median(offline_rates)
     result = {
@@ -287,13 +292,17 @@ def main() -> None:
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
         "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
         "server_ttft_mean_ms": round(statistics.median(inside) * 1000, 1),
-        "baseline_tokens_per_s": round(base_tokens / base_seconds, 1),
-        "baseline_ttft_p50_ms": round(percentile(base_ttfts, 0.5) * 1000, 1),
-        "baseline_ttft_p95_ms": round(percentile(base_ttfts, 0.95) * 1000, 1),
-        "served_over_baseline": round(served_rate / (base_tokens / base_seconds), 2),
+        "layout": args.layout,
         "load_avg_1m": [round(load, 1) for load in loads] + [round(os.getloadavg()[0], 1)],
         "ratio": round(served_rate / offline_rate, 3),
     }
+    if not args.no_baseline:
+        result.update({
+            "baseline_tokens_per_s": round(base_tokens / base_seconds, 1),
+            "baseline_ttft_p50_ms": round(percentile(base_ttfts, 0.5) * 1000, 1),
+            "baseline_ttft_p95_ms": round(percentile(base_ttfts, 0.95) * 1000, 1),
+            "served_over_baseline": round(served_rate / (base_tokens / base_seconds), 2),
+        })
     print(json.dumps(result))
 
 

@@ -129,3 +129,33 @@ def test_arrivals_join_a_running_batch_together_within_a_few_steps(tiny_tokenize
     assert alone_joins == 23 and alone_wait == 0  # the first starts the batch, each other arrival joins alone
     for a, b in zip(together, apart):  # when a request joins does not change what it samples
         assert a.completions[0].token_ids == b.completions[0].token_ids
+
+
+# Every family the generic runner serves (tests/test_conformance.py builds each tiny, with sliding windows of 5
+# tokens, soft-caps, fused projections, partial rotary... switched on).
+GENERIC_FAMILIES = ["qwen2", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox"]
+
+
+@pytest.mark.parametrize("family", GENERIC_FAMILIES)
+def test_arrivals_join_a_running_batch_of_every_generic_family(tiny_tokenizer, prompts, family):
+    """Requests arriving mid-decode join the running batch (shorter and longer prompts than the running rows'
+    columns, past the sliding window and before it) and decode greedily what each decodes alone."""
+    from test_conformance import build
+
+    engine = HFEngine(build(family), tiny_tokenizer)
+    assert engine.runner == "generic"
+    batcher = ContinuousBatcher(engine, join_ratio=0)  # every arrival joins at the next step
+    requests = [StreamRequest(prompts[i], SamplingParams(max_new_tokens=4 + 3 * i, temperature=0,
+                                                         n=2 if i == 3 else 1))
+                for i in (9, 0, 4, 3, 8, 1)]  # long, short, mid...: both caches get left-padded in turn
+    pending, peak = requests[:], 0
+    while pending or batcher.running or batcher.waiting:
+        if pending:
+            batcher.submit(pending.pop(0))
+        batcher.step()
+        peak = max(peak, batcher.running)
+    assert batcher.joins >= 3 and peak >= 4, "arrivals did not join the running batch"
+    for request in requests:
+        for got, want in zip(request.completions, _alone(engine, request), strict=True):
+            assert got.token_ids == want.token_ids, family
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)

@@ -57,6 +57,28 @@ def _alone(server, messages: list[dict], max_tokens: int) -> str:
     return engine.generate([GenerationRequest(ids)], sampling)[0][0].text
 
 
+def _ask_all(url: str, prompts: list[list[dict]], max_tokens: int = 16) -> list[str]:
+    """Every prompt at once from one async client, every other one streamed; the greedy texts, in order."""
+    async def ask_all():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(messages, stream):
+            if not stream:
+                reply = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                              max_tokens=max_tokens)
+                return reply.choices[0].message.content
+            chunks = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                           max_tokens=max_tokens, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in enumerate(prompts)))
+        finally:
+            await aclient.close()
+
+    return asyncio.run(ask_all())
+
+
 def _get(url: str, headers: dict | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
@@ -159,17 +181,54 @@ def test_a_tool_call_round_trip(client):
 
 
 def test_a_streamed_tool_call_and_a_forced_tool_choice(client):
-    stream = client.chat.completions.create(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
-                                            temperature=0, max_tokens=60, stream=True)
-    chunks = list(stream)
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["calculator"]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""  # the call's text is not content
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    """A call streams as OpenAI's does: id, type and name first, then argument fragments that the openai
+    client's own stream accumulation (`chat.completions.stream`) puts back into the call a plain reply gives."""
+    whole = client.chat.completions.create(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                           temperature=0, max_tokens=60).choices[0].message.tool_calls
+    with client.chat.completions.stream(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                        temperature=0, max_tokens=60) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    deltas = [tc for e in events if e.type == "chunk" and e.chunk.choices
+              for tc in (e.chunk.choices[0].delta.tool_calls or [])]
+    first, *rest = deltas
+    assert first.id and first.type == "function" and first.function.name == "calculator"
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+    assert "".join([first.function.arguments or "", *(d.function.arguments for d in rest)]) \
+        == final.choices[0].message.tool_calls[0].function.arguments
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == whole[0].function.name == "calculator"
+    assert json.loads(call.function.arguments) == json.loads(whole[0].function.arguments) == {"expression": "2+3"}
+    assert not final.choices[0].message.content  # the call's text is not content
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [e.type for e in events].count("tool_calls.function.arguments.done") == 1
     forced = client.chat.completions.create(
         model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR], temperature=0, max_tokens=60,
         tool_choice={"type": "function", "function": {"name": "calculator"}})
     assert forced.choices[0].message.tool_calls[0].function.name == "calculator"
+
+
+def test_tool_call_deltas_stream_the_name_then_the_arguments_as_written():
+    from posttrain.serve.prompting import ToolCallDeltas, merge_call_deltas
+
+    text = ('Let me. <tool_call>{"name": "calc\\u00e9", "arguments": {"expression": "2+\\"3}\\"", "n": [1, {"a": 2}]}}'
+            '</tool_call> and <tool_call>{"name": "echo", "arguments": "{\\"x\\": 1}"}</tool_call>'
+            '<tool_call>{"name": 5}</tool_call>')
+    calls = ToolCallDeltas()
+    deltas = [d for end in range(len(text) + 1) for d in calls.update(text[:end])] + calls.finish(text)
+    assert deltas[0] == {"index": 0, "id": deltas[0]["id"], "type": "function",
+                         "function": {"name": "calcé", "arguments": ""}}
+    fragments = [d for d in deltas[1:] if d["index"] == 0]
+    assert len(fragments) > 10 and all(set(d) == {"index", "function"} for d in fragments)
+    arguments = "".join(d["function"]["arguments"] for d in fragments)
+    assert json.loads(arguments) == {"expression": '2+"3}"', "n": [1, {"a": 2}]}
+    assert arguments.endswith("}]}")  # the fragments stop at the object's end, not the call's
+    echo = [d for d in deltas if d["index"] == 1]  # arguments as a JSON string: sent whole at the end
+    assert echo[0]["function"] == {"name": "echo", "arguments": ""}
+    assert [json.loads(d["function"]["arguments"]) for d in echo[1:]] == [{"x": 1}]
+    assert max(d["index"] for d in deltas) == 1  # the malformed third block is no call
+    merged = merge_call_deltas(deltas)  # one chunk carrying it all: one delta per call
+    assert [d["index"] for d in merged] == [0, 1] and merged[0]["function"]["arguments"] == arguments
 
 
 def test_text_completions(client):
@@ -243,25 +302,8 @@ def test_64_concurrent_clients_get_what_each_gets_alone(server):
     prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(64)]
     expected = [_alone(server, messages, 16) for messages in prompts]
 
-    async def ask_all():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        async def one(messages, stream):
-            if not stream:
-                reply = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                              max_tokens=16)
-                return reply.choices[0].message.content
-            chunks = await aclient.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                           max_tokens=16, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
-
-        try:
-            return await asyncio.gather(*(one(m, i % 2 == 0) for i, m in enumerate(prompts)))
-        finally:
-            await aclient.close()
-
     steps_before = server.backend.batcher.steps
-    got = asyncio.run(ask_all())
+    got = _ask_all(server.url, prompts)
     assert got == expected
     assert server.backend.batcher.steps - steps_before < 64 * 16 / 4, "the requests were not batched together"
 
@@ -291,6 +333,35 @@ def test_an_api_key_is_required_when_set(server):
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.chat.completions.create(model=MODEL, messages=_user("Say hello."), max_tokens=2).choices
         assert _get(keyed.url + "/health")[0] == 200  # probes need no key
+
+
+def test_the_http_side_in_a_process_of_its_own_serves_the_same(server):
+    """`posttrain serve`'s default layout: uvicorn in a child process, the engine loop here, joined by pipes."""
+    engine = server.backend.batcher.engine
+    batcher = ContinuousBatcher(engine)
+    with start_server(HFBackend(batcher), MODEL, http_process=True) as split:
+        client = openai.OpenAI(base_url=split.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(8)] + [_user("Say hello.")]
+        assert _ask_all(split.url, prompts) == [_alone(server, messages, 16) for messages in prompts]
+        with client.chat.completions.stream(model=MODEL, messages=_user(QUESTION), tools=[CALCULATOR],
+                                            temperature=0, max_tokens=60) as stream:
+            final = stream.get_final_completion()
+        assert json.loads(final.choices[0].message.tool_calls[0].function.arguments) == {"expression": "2+3"}
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=100_000)
+        long_stream = client.chat.completions.create(model=MODEL, messages=_user("Tell me a long story."),
+                                                     max_tokens=900, temperature=1.0, stream=True,
+                                                     extra_body={"ignore_eos": True})
+        iterator = iter(long_stream)
+        next(iterator), next(iterator)
+        tokens_before = batcher.completion_tokens
+        long_stream.close()  # the client goes away: the engine (in this process) drops the row
+        deadline = time.monotonic() + 10
+        while batcher.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.running == 0 and batcher.completion_tokens - tokens_before < 850
+        code, text = _get(split.url + "/metrics")
+        assert code == 200 and "posttrain_time_to_first_token_seconds_count" in text
 
 
 # ---- the command ------------------------------------------------------------------------------------------

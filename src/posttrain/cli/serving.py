@@ -26,6 +26,8 @@ def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together at most")
         sub.add_argument("--stream-interval", type=float, default=0.0,
                          help="seconds between two stream chunks of a request at least (0: every decode step)")
+        sub.add_argument("--http-thread", action="store_true",
+                         help="run uvicorn on a thread of the engine's process instead of a process of its own")
     else:
         sub.add_argument("--system", default=None, help="system prompt")
         sub.add_argument("--temperature", type=float, default=0.7)
@@ -47,7 +49,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         backend = make_backend(args.checkpoint, args.engine)
     name = args.model_name or Path(args.checkpoint).resolve().name
-    run(backend, name, host=args.host, port=args.port, api_key=args.api_key,
+    run(backend, name, host=args.host, port=args.port, api_key=args.api_key, http_process=not args.http_thread,
         ready=lambda url: print(f"[serve] {name} at {url}/v1 (Ctrl-C stops)", flush=True))
     return 0
 

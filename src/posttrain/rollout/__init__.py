@@ -15,7 +15,7 @@ has the exact token rules at stops, the logprob convention and measured throughp
 """
 
 from posttrain.rollout.batcher import AsyncBatcher
-from posttrain.rollout.continuous import ContinuousBatcher, SequenceEvent, StreamRequest
+from posttrain.rollout.continuous import ContinuousBatcher, SequenceEvent, StreamRequest, check_request, check_room
 from posttrain.rollout.engine import EngineStats, HFEngine
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.speculative import Speculation, check_same_tokenizer, load_speculation
@@ -34,6 +34,8 @@ __all__ = [
     "StreamRequest",
     "VLLMEngine",
     "canonical_name",
+    "check_request",
+    "check_room",
     "check_same_tokenizer",
     "eos_token_ids",
     "load_speculation",

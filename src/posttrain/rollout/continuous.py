@@ -20,8 +20,11 @@ the stream ``stream_seed(seed, 0, j)`` for its sample j, exactly as ``engine.gen
 request_seeds=[seed])`` does, so served and offline samples agree token for token (to float rounding of the
 logits; greedy outputs are equal unless two logits tie within rounding).
 
-Only the fast decoder can join a running batch. With the generic runner (non-Llama models), waiting requests
-are admitted when the batch has drained: correct, but not continuous.
+Both runners join: the fast decoder folds the running rows' KV into prompt slots (`DecoderRunner.join`), the
+generic runner (every other family: sliding windows, soft-caps, fused projections...) stacks transformers'
+dynamic cache layers, left-padding the shorter (`GenericRunner.join`). A model whose cache has other layer
+kinds (static, quantized, linear attention) cannot be stacked: its waiting requests are admitted when the batch
+has drained — correct, but not continuous.
 """
 
 from __future__ import annotations
@@ -58,6 +61,31 @@ MAX_JOIN_WAIT_STEPS = 4
 # KV columns reserved per join and per growth: a request asking for its whole context does not allocate it up
 # front (64 rows x 1000 columns of tiny-3m's KV is ~0.5 GB), the cache grows as its rows get there.
 _CAPACITY_STEP = 128
+
+
+def check_room(prompt: Sequence[int], max_new_tokens: int, vocab_size: int, max_length: int | None) -> int:
+    """How many tokens a prompt may generate (at most `max_new_tokens`); RolloutError when it cannot."""
+    if not prompt:
+        raise RolloutError("empty prompt (the engine needs at least one prompt token)")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RolloutError(f"token ids must be in [0, {vocab_size}) for this model")
+    limit = max_new_tokens
+    if max_length is not None:
+        limit = min(limit, max_length - len(prompt))
+        if limit < 1:
+            raise RolloutError(f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                               f"{max_length} tokens")
+    return limit
+
+
+def check_request(prompt: Sequence[int], sampling: SamplingParams, vocab_size: int, max_length: int | None,
+                  max_batch_size: int) -> int:
+    """What `ContinuousBatcher.submit` checks (a RolloutError names what is wrong); the request's token limit."""
+    check_sampling(sampling)
+    limit = check_room(prompt, sampling.max_new_tokens, vocab_size, max_length)
+    if sampling.n > max_batch_size:
+        raise RolloutError(f"n={sampling.n} is more than the batch holds ({max_batch_size} rows)")
+    return limit
 
 
 @dataclass
@@ -179,7 +207,6 @@ class ContinuousBatcher:
             self._runner: DecoderRunner | GenericRunner = DecoderRunner(engine.model, engine.autocast)
         else:
             self._runner = GenericRunner(engine.model, engine.autocast)
-        self._joinable = isinstance(self._runner, DecoderRunner)
         self._rows: list[_Row] = []
         self._settings = _BatchSettings([], self.device)
         self._logits: torch.Tensor | None = None  # next-token logits of the running rows
@@ -193,10 +220,8 @@ class ContinuousBatcher:
 
     def submit(self, request: StreamRequest) -> StreamRequest:
         """Queue `request` (validated now: a RolloutError names what is wrong); it joins at the next step."""
-        check_sampling(request.sampling)
-        self.room(request.prompt_token_ids, request.sampling.max_new_tokens)
-        if request.sampling.n > self.max_batch_size:
-            raise RolloutError(f"n={request.sampling.n} is more than the batch holds ({self.max_batch_size} rows)")
+        check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size, self.engine.max_length,
+                      self.max_batch_size)
         with self._wake:
             self._waiting.append(request)
             self._wake.notify()
@@ -210,17 +235,7 @@ class ContinuousBatcher:
 
     def room(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """How many tokens a prompt may generate (at most `max_new_tokens`); RolloutError when it cannot."""
-        if not prompt:
-            raise RolloutError("empty prompt (the engine needs at least one prompt token)")
-        if min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
-            raise RolloutError(f"token ids must be in [0, {self.engine.vocab_size}) for this model")
-        limit = max_new_tokens
-        if self.engine.max_length is not None:
-            limit = min(limit, self.engine.max_length - len(prompt))
-            if limit < 1:
-                raise RolloutError(f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
-                                   f"{self.engine.max_length} tokens")
-        return limit
+        return check_room(prompt, max_new_tokens, self.engine.vocab_size, self.engine.max_length)
 
     @property
     def waiting(self) -> int:
@@ -300,8 +315,8 @@ class ContinuousBatcher:
         if not self._waiting:
             self._waiting_since = None
             return
-        if self._rows and not self._joinable:
-            return  # the generic runner takes new prompts only into an empty batch
+        if self._rows and not self._can_join():
+            return  # a cache that cannot be stacked takes new prompts only into an empty batch
         if not self._join_now():
             return
         admitted: list[StreamRequest] = []
@@ -310,9 +325,6 @@ class ContinuousBatcher:
             request = self._waiting.popleft()
             if request.cancelled:
                 continue
-            if admitted and not self._joinable and request.sampling.n != admitted[0].sampling.n:
-                self._waiting.appendleft(request)
-                break
             admitted.append(request)
             free -= request.sampling.n
         self._waiting_since = None if not self._waiting else self.steps  # who is left (no room) waits afresh
@@ -321,6 +333,9 @@ class ContinuousBatcher:
         version = self.engine.policy_version
         for n in sorted({r.sampling.n for r in admitted}):  # one join per group size (the runner's prefill)
             group = [r for r in admitted if r.sampling.n == n]
+            if self._rows and not self._can_join():  # back to the queue's head, in arrival order
+                self._waiting.extendleft(reversed([r for r in admitted if r.sampling.n >= n]))
+                break
             new_rows = [row for r in group for row in self._rows_for(r, version)]
             remaining = [row.limit - len(row.tokens) for row in self._rows + new_rows]
             capacity = min(max(remaining), _CAPACITY_STEP)
@@ -334,6 +349,9 @@ class ContinuousBatcher:
             self._capacity = capacity
             self._rows += new_rows
         self._settings = _BatchSettings(self._rows, self.device)
+
+    def _can_join(self) -> bool:
+        return isinstance(self._runner, DecoderRunner) or self._runner.joinable()
 
     def _rows_for(self, request: StreamRequest, version: int) -> list[_Row]:
         sampling = request.sampling
@@ -361,8 +379,8 @@ class ContinuousBatcher:
         self._settings = _BatchSettings(self._rows, self.device)
 
     def _reserve(self) -> None:
-        """Grow the runner's KV columns before a row would write past them."""
-        if not self._joinable:
+        """Grow the runner's KV columns before a row would write past them (the generic cache grows itself)."""
+        if not isinstance(self._runner, DecoderRunner):
             return
         runner: DecoderRunner = self._runner  # type: ignore[assignment]
         if runner.length < self._capacity:

@@ -12,6 +12,14 @@ Image prompts (a vision-language model such as LLaVA): the prefill also gets the
 along their first axis in prompt order (how every processor batches them); the model puts each image's features
 in place of its image tokens, so later steps decode from the cache alone. A model that computes its own position
 ids for images (Qwen2-VL's 3-D rotary positions) is not supported here: its position ids are not one per token.
+
+`join` adds prompts to a running batch (continuous batching): the new prompts are prefilled on their own, then
+the shorter of the two caches is left-padded (masked columns) to the other's length and the two are stacked on
+the batch dimension, layer by layer. A sliding-window layer keeps only its last ``window - 1`` columns and
+counts every column it has seen (``cumulative_length``, which places the window in the mask): padding one moves
+its count to the new length and adds masked columns only while the window is not yet full. Caches of any other
+layer kind (static, quantized, linear attention) cannot be stacked this way: `joinable` says so, and the
+caller admits new prompts only into an empty batch.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import contextlib
 import inspect
 
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 def _forward_keywords(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
@@ -124,3 +133,51 @@ class GenericRunner:
 
     def release(self) -> None:
         self.cache = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.cache is None else len(self.positions)
+
+    def joinable(self) -> bool:
+        """Whether `join` can add prompts to the running rows (every cache layer a dynamic one)."""
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and layer.is_initialized
+                                    for layer in layers)
+
+    def join(self, prompts: list[list[int]], rows_per_prompt: int, capacity: int) -> torch.Tensor:
+        """Add `prompts` (each with `rows_per_prompt` rows) after the running rows; logits [new rows, vocab]."""
+        if not self.rows:
+            return self.prefill(prompts, rows_per_prompt, capacity)
+        if not self.joinable():
+            raise RuntimeError(f"GenericRunner.join: a {type(self.cache).__name__} with layers of kinds "
+                               f"{sorted({type(l).__name__ for l in self.cache.layers})} cannot take new rows")
+        old_cache, old_mask, old_positions = self.cache, self.mask, self.positions
+        logits = self.prefill(prompts, rows_per_prompt, capacity)
+        width = max(old_mask.shape[1], self.mask.shape[1])
+        for old, new in zip(old_cache.layers, self.cache.layers, strict=True):
+            _pad_layer(old, width)
+            _pad_layer(new, width)
+            old.keys = torch.cat([old.keys, new.keys])
+            old.values = torch.cat([old.values, new.values])
+        self.cache = old_cache
+        self.mask = torch.cat([_pad_mask(old_mask, width), _pad_mask(self.mask, width)])
+        self.positions = torch.cat([old_positions, self.positions])
+        return logits
+
+
+def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.cat([mask.new_zeros(len(mask), width - mask.shape[1]), mask], dim=1)
+
+
+def _pad_layer(layer: DynamicLayer, width: int) -> None:
+    """Left-pad a cache layer to what it would hold had it seen `width` columns, the first ones masked."""
+    kept = width
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        kept = min(width, layer.sliding_window - 1)
+        layer.cumulative_length = width
+    missing = kept - layer.keys.shape[-2]
+    if missing > 0:
+        layer.keys = torch.cat([layer.keys.new_zeros(*layer.keys.shape[:-2], missing, layer.keys.shape[-1]),
+                                layer.keys], dim=-2)
+        layer.values = torch.cat([layer.values.new_zeros(*layer.values.shape[:-2], missing,
+                                                         layer.values.shape[-1]), layer.values], dim=-2)

@@ -33,7 +33,7 @@ from posttrain.rollout import SequenceEvent, StreamRequest
 from posttrain.serve.backends import Backend
 from posttrain.serve.errors import APIError
 from posttrain.serve.metrics import Metrics
-from posttrain.serve.prompting import ChatPrompt, TextStream, render_chat, tool_calls_of
+from posttrain.serve.prompting import ChatPrompt, TextStream, ToolCallDeltas, merge_call_deltas, render_chat
 from posttrain.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from posttrain.types import Completion, SamplingParams
 
@@ -303,27 +303,36 @@ async def _chat_stream(backend: Backend, metrics: Metrics, request: StreamReques
             "model": model_name}
     streams = [TextStream(tokenizer, request.sampling.stop, prompt.parse_tools, prompt.forced_prefix)
                for _ in range(n)]
+    tool_calls = [ToolCallDeltas() for _ in range(n)]
 
     def choices_of(batch: list[SequenceEvent]) -> tuple[list[dict[str, Any]], int]:
         deltas: dict[int, dict[str, Any]] = {}
+        calls: dict[int, list[dict[str, Any]]] = {}
         finished = 0
         for event in batch:
             stream = streams[event.index]
             choice = deltas.setdefault(event.index, {"index": event.index, "delta": {}, "logprobs": None,
                                                      "finish_reason": None})
             text = stream.add(event.token_id) if event.token_id >= 0 else ""
+            if prompt.parse_tools and event.token_id >= 0:
+                calls.setdefault(event.index, []).extend(tool_calls[event.index].update(prompt.forced_prefix
+                                                                                        + stream.text))
             if body.logprobs and event.token_id >= 0 and _kept(event, len(stream.tokens)):
                 entry = _token_entry(tokenizer, event.token_id, event.logprob, event.top_logprobs)
                 choice["logprobs"] = {"content": (choice["logprobs"] or {"content": []})["content"] + [entry]}
             if event.completion is not None:
-                last, calls = stream.finish(event.completion.text)
+                last, called = stream.finish(event.completion.text)
                 text += last
-                if calls:
-                    choice["delta"]["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                choice["finish_reason"] = "tool_calls" if calls else event.completion.finish_reason
+                if prompt.parse_tools:
+                    calls.setdefault(event.index, []).extend(
+                        tool_calls[event.index].finish(prompt.forced_prefix + event.completion.text))
+                choice["finish_reason"] = "tool_calls" if called else event.completion.finish_reason
                 finished += len(event.completion.token_ids)
             if text:
                 choice["delta"]["content"] = choice["delta"].get("content", "") + text
+        for index, sent in calls.items():
+            if sent:
+                deltas[index]["delta"]["tool_calls"] = merge_call_deltas(sent)
         return [c for c in deltas.values() if c["delta"] or c["finish_reason"] or c["logprobs"]], finished
 
     yield "".join(_sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

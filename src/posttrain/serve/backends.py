@@ -141,6 +141,7 @@ class HFBackend:
         self.batcher = batcher
         self.tokenizer = batcher.engine.tokenizer
         self.max_length = batcher.engine.max_length
+        self.stream_interval_s = stream_interval_s
         self._signals = _Signals(stream_interval_s)
         batcher.on_step = self._signals.notify
 

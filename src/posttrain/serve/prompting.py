@@ -9,11 +9,17 @@ Tool calls in the model's output are read with the model's own syntax (`posttrai
 ``"required"`` or a named function cannot be enforced on a free-running model; the server starts the assistant's
 turn with the opening of a call instead (``<tool_call>{"name": "`` or ``<tool_call>{"name": "NAME",
 "arguments":``), so the model writes the rest — the opening counts as part of the turn when it is parsed.
+
+Streamed, a call goes out as OpenAI streams one (`ToolCallDeltas`): as soon as its name is written, a delta with
+the call's ``id``, ``type`` and ``function.name`` (arguments ``""``); then the arguments object as the model
+writes it, in fragments that concatenate to its JSON text. A call whose arguments are not written as a JSON
+object after the name (a JSON string, or ``arguments`` before ``name``) sends them whole when the turn ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +30,10 @@ from posttrain.serve.errors import APIError
 from posttrain.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 
 TOOL_OPEN = "<tool_call>"
-_PARSER = TagJsonParser()
+TOOL_CLOSE = "</tool_call>"
+_PARSER = TagJsonParser(TOOL_OPEN, TOOL_CLOSE)
+# The opening of a call body as the built-in template writes it: the name, then (when written) the arguments key.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(\s*,\s*"arguments"\s*:\s*)?')
 
 
 @dataclass
@@ -82,15 +91,143 @@ def render_chat(tokenizer: Any, request: ChatCompletionRequest) -> ChatPrompt:
     return ChatPrompt(ids, prefix, bool(request.tools) and choice != "none")
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def tool_calls_of(text: str) -> tuple[str, list[dict[str, Any]]]:
     """The content outside well-formed call blocks, and the calls in OpenAI's shape."""
     turn = _PARSER.parse(text)
     calls = [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        {"id": _call_id(), "type": "function",
          "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
         for call in turn.well_formed
     ]
     return (turn.content if calls else text), calls
+
+
+class _StreamedCall:
+    def __init__(self, index: int, name: str):
+        self.index, self.name, self.id = index, name, _call_id()
+        self.arguments = ""  # the argument text sent so far
+        self.raw = True  # the arguments are being sent as written (False: sent whole at the end)
+
+
+class ToolCallDeltas:
+    """One sequence's tool calls as OpenAI's stream deltas, from its text so far (see the module docstring).
+
+    `update(text)` returns the deltas the text adds: ``{"index", "id", "type", "function": {"name",
+    "arguments": ""}}`` once a call's name is complete, then ``{"index", "function": {"arguments": FRAGMENT}}``.
+    `finish(text)` sends what the finished turn adds: arguments not streamed, and well-formed calls whose name was
+    never streamed. Indexes count the calls sent. A block that turns out malformed after its name went out
+    cannot be taken back; its text is also in the content, as in a non-streamed reply.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[_StreamedCall | None] = []  # per call block in the text, once its name is sent
+        self.sent = 0
+
+    def update(self, text: str) -> list[dict[str, Any]]:
+        deltas = []
+        for number, body in enumerate(_call_bodies(text)):
+            if number == len(self.calls):
+                self.calls.append(None)
+            head = _CALL_HEAD.match(body)
+            if head is None:
+                continue
+            call = self.calls[number]
+            if call is None:
+                try:
+                    name = json.loads(f'"{head.group(1)}"')
+                except json.JSONDecodeError:
+                    continue
+                call = self.calls[number] = _StreamedCall(self.sent, name)
+                self.sent += 1
+                deltas.append({"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+            if head.group(2) is not None and call.raw:
+                fragment = self._fragment(call, body[head.end():])
+                if fragment:
+                    deltas.append({"index": call.index, "function": {"arguments": fragment}})
+        return deltas
+
+    @staticmethod
+    def _fragment(call: _StreamedCall, value: str) -> str:
+        """The arguments object's text not yet sent (up to its closing brace)."""
+        if not value:
+            return ""
+        if not value.startswith("{"):
+            call.raw = False
+            return ""
+        written = value[:_json_object_end(value)]
+        if written.endswith("\ufffd"):  # half a UTF-8 character
+            written = written[:-1]
+        if not written.startswith(call.arguments):  # the decoded text changed under us: send it whole at the end
+            call.raw = False
+            return ""
+        fragment, call.arguments = written[len(call.arguments):], written
+        return fragment
+
+    def finish(self, text: str) -> list[dict[str, Any]]:
+        deltas = self.update(text)
+        for number, parsed in enumerate(_PARSER.parse(text).calls):
+            if parsed.error is not None:
+                continue
+            call = self.calls[number] if number < len(self.calls) else None
+            arguments = json.dumps(parsed.arguments)
+            if call is None:
+                deltas.append({"index": self.sent, "id": _call_id(), "type": "function",
+                               "function": {"name": parsed.name, "arguments": arguments}})
+                self.sent += 1
+            elif not call.arguments:
+                deltas.append({"index": call.index, "function": {"arguments": arguments}})
+        return deltas
+
+
+def _call_bodies(text: str) -> list[str]:
+    """The text inside each call block, in order (the last one may still be open)."""
+    bodies, position = [], 0
+    while (start := text.find(TOOL_OPEN, position)) >= 0:
+        start += len(TOOL_OPEN)
+        end = text.find(TOOL_CLOSE, start)
+        bodies.append(text[start:] if end < 0 else text[start:end])
+        if end < 0:
+            break
+        position = end + len(TOOL_CLOSE)
+    return bodies
+
+
+def _json_object_end(value: str) -> int:
+    """The index after the JSON object `value` begins with, or len(value) while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for position, char in enumerate(value):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return position + 1
+    return len(value)
+
+
+def merge_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive deltas of the same call as one (a stream chunk that carries several steps' tokens)."""
+    merged: list[dict[str, Any]] = []
+    for delta in deltas:
+        if merged and merged[-1]["index"] == delta["index"]:
+            merged[-1]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            merged.append({**delta, "function": dict(delta["function"])})
+    return merged
 
 
 class TextStream:
@@ -107,13 +244,14 @@ class TextStream:
         self.parse_tools = parse_tools
         self.forced_prefix = forced_prefix
         self.tokens: list[int] = []
+        self.text = ""  # the decoded tokens so far
         self.sent = ""
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)
+        self.text = text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if self.forced_prefix:
             return ""  # the whole turn is a tool call
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         safe = len(text) - self.hold
         if text.endswith("\ufffd"):
             safe = min(safe, len(text) - 1)

@@ -1,10 +1,13 @@
 """Load a checkpoint into a backend and run the HTTP server (uvicorn) beside the engine loop.
 
-Two threads: uvicorn's event loop (HTTP, JSON, SSE) and the engine loop (prefill, decode, sampling). `serve`
-gives the engine loop the calling thread — on a CPU torch's OpenMP work is fastest on the thread that already
-owns its pool (docs/rollout.md: 64 x 32 tokens of tiny-3m took 0.08 s from the main thread, 0.19 s from a
-worker thread) — and runs uvicorn on a second one. `start_server` runs both in the background and returns a
-handle, for tests and benchmarks that drive the server from the same process.
+Two layouts. The default (`serve`, ``posttrain serve``): the engine loop on this process's main thread — on a
+CPU torch's OpenMP work is fastest on the thread that already owns its pool (docs/rollout.md: 64 x 32 tokens
+of tiny-3m took 0.08 s from the main thread, 0.19 s from a worker thread) — and uvicorn in a child process
+(`posttrain.serve.remote`), so the HTTP work never holds the engine's GIL. ``http_process=False``
+(``--http-thread``) keeps uvicorn on a second thread of this process, the layout `start_server` uses by default
+for tests and benchmarks that drive the server from the same process (``start_server(..., http_process=True)``
+starts the child instead). Backends without a `ContinuousBatcher` (vLLM, speculative decoding) always use a
+thread.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uvicorn
 from posttrain.serve.app import create_app
 from posttrain.serve.backends import STREAM_INTERVAL_S, HFBackend, VLLMBackend
 from posttrain.serve.errors import ServeError
+from posttrain.serve.remote import HTTPProcess
 
 log = logging.getLogger(__name__)
 
@@ -92,22 +96,38 @@ def _start_http(server: uvicorn.Server, host: str, port: int) -> threading.Threa
     return thread
 
 
+def _start_http_process(backend: HFBackend, model_name: str, host: str, port: int, api_key: str | None,
+                        stop: threading.Event) -> Any:
+    """uvicorn in a child process over the backend's batcher (listening when this returns); returns its stop."""
+    http = HTTPProcess(backend.batcher, model_name, host=host, port=port, api_key=api_key,
+                       stream_interval_s=backend.stream_interval_s, stop=stop)
+    http.start()
+    return http.stop
+
+
 def serve(backend: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, ready: Any = None) -> None:
-    """Serve until interrupted (Ctrl-C): HTTP on a thread, the engine loop on this one."""
-    server = _uvicorn(backend, model_name, host, port, api_key)
-    thread = _start_http(server, host, port)
+          api_key: str | None = None, ready: Any = None, http_process: bool = True) -> None:
+    """Serve until interrupted (Ctrl-C): the engine loop on this thread, HTTP in a child process (or, with
+    ``http_process=False`` or a backend without a batcher, on a thread of this one)."""
+    stop = threading.Event()
+    if http_process and isinstance(backend, HFBackend):
+        close = _start_http_process(backend, model_name, host, port, api_key, stop)
+    else:
+        server = _uvicorn(backend, model_name, host, port, api_key)
+        thread = _start_http(server, host, port)
+        threading.Thread(target=lambda: (thread.join(), stop.set()), daemon=True).start()  # HTTP gone: stop too
+
+        def close() -> None:
+            server.should_exit = True
+            thread.join(timeout=5)
     if ready is not None:
         ready(f"http://{host}:{port}")
-    stop = threading.Event()
-    threading.Thread(target=lambda: (thread.join(), stop.set()), daemon=True).start()  # HTTP gone: stop too
     try:
         backend.run(stop)
     except KeyboardInterrupt:
         pass
     finally:
-        server.should_exit = True
-        thread.join(timeout=5)
+        close()
 
 
 @dataclass
@@ -116,15 +136,14 @@ class ServerHandle:
 
     url: str
     backend: Any
-    _server: uvicorn.Server
-    _threads: tuple[threading.Thread, threading.Thread]
+    _close: Any
+    _engine_thread: threading.Thread
     _stop: threading.Event
 
     def stop(self) -> None:
-        self._server.should_exit = True
+        self._close()
         self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._engine_thread.join(timeout=10)
 
     def __enter__(self) -> ServerHandle:
         return self
@@ -140,12 +159,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_server(backend: Any, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
-                 api_key: str | None = None) -> ServerHandle:
-    """Serve in the background (HTTP and engine loop on threads of their own); stop with ``handle.stop()``."""
+                 api_key: str | None = None, http_process: bool = False) -> ServerHandle:
+    """Serve in the background (the engine loop on a thread, HTTP on another or, with ``http_process``, in a
+    child process); stop with ``handle.stop()``."""
     port = port or free_port(host)
-    server = _uvicorn(backend, model_name, host, port, api_key)
     stop = threading.Event()
+    if http_process:
+        if not isinstance(backend, HFBackend):
+            raise ServeError("http_process needs the hf backend's continuous batcher")
+        close = _start_http_process(backend, model_name, host, port, api_key, stop)
+    else:
+        server = _uvicorn(backend, model_name, host, port, api_key)
+
+        def close() -> None:
+            server.should_exit = True
+            http_thread.join(timeout=10)
     engine_thread = threading.Thread(target=backend.run, args=(stop,), name="posttrain-engine", daemon=True)
     engine_thread.start()
-    http_thread = _start_http(server, host, port)
-    return ServerHandle(f"http://{host}:{port}", backend, server, (http_thread, engine_thread), stop)
+    if not http_process:
+        http_thread = _start_http(server, host, port)
+    return ServerHandle(f"http://{host}:{port}", backend, close, engine_thread, stop)
