@@ -42,7 +42,7 @@ class EngineLink:
         self.batcher, self.requests, self.events, self.stop = batcher, requests, events, stop
         self._live: dict[int, StreamRequest] = {}  # key -> request, for cancels
         self._keys: dict[int, int] = {}  # id(request) -> key, for the steps' events
-        self._lock = threading.Lock()  # the two dicts: filled on the link's thread, read on the engine loop's
+        self._lock = threading.Lock()  # the two dicts (filled on the link's thread, read on the engine loop's) and the events pipe
         batcher.on_step = self._send
         self._thread = threading.Thread(target=self._receive, name="posttrain-link", daemon=True)
 
@@ -77,20 +77,23 @@ class EngineLink:
         self.stop.set()
 
     def _send(self, updated: list[StreamRequest]) -> None:
-        batch = []
-        for request in updated:
-            with self._lock:
+        """One message with every updated request's events. Called from the engine loop and, for a refused
+        submit, from the receiving thread: the lock is held through the send, so the two never write to the
+        pipe at once (interleaved writes would corrupt it)."""
+        with self._lock:
+            batch = []
+            for request in updated:
                 key = self._keys.get(id(request))
-                if key is not None and request.done:
+                if key is None:
+                    continue
+                if request.done:
                     self._live.pop(key, None)
                     self._keys.pop(id(request), None)
-            if key is None:
-                continue
-            batch.append((key, request.drain(), None if request.error is None else str(request.error)))
-        try:
-            self.events.send(("step", self.batcher.waiting, self.batcher.running, batch))
-        except (BrokenPipeError, OSError):
-            self.stop.set()
+                batch.append((key, request.drain(), None if request.error is None else str(request.error)))
+            try:
+                self.events.send(("step", self.batcher.waiting, self.batcher.running, batch))
+            except (BrokenPipeError, OSError):
+                self.stop.set()
 
 
 class RemoteBackend:
