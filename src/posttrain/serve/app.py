@@ -309,14 +309,18 @@ async def _chat_stream(backend: Backend, metrics: Metrics, request: StreamReques
         deltas: dict[int, dict[str, Any]] = {}
         calls: dict[int, list[dict[str, Any]]] = {}
         finished = 0
+        grown: set[int] = set()  # choices whose text grew: their tool-call deltas are taken once per chunk
+
+        def take_call_deltas(index: int) -> None:
+            calls.setdefault(index, []).extend(tool_calls[index].update(prompt.forced_prefix + streams[index].text))
+
         for event in batch:
             stream = streams[event.index]
             choice = deltas.setdefault(event.index, {"index": event.index, "delta": {}, "logprobs": None,
                                                      "finish_reason": None})
             text = stream.add(event.token_id) if event.token_id >= 0 else ""
             if prompt.parse_tools and event.token_id >= 0:
-                calls.setdefault(event.index, []).extend(tool_calls[event.index].update(prompt.forced_prefix
-                                                                                        + stream.text))
+                grown.add(event.index)
             if body.logprobs and event.token_id >= 0 and _kept(event, len(stream.tokens)):
                 entry = _token_entry(tokenizer, event.token_id, event.logprob, event.top_logprobs)
                 choice["logprobs"] = {"content": (choice["logprobs"] or {"content": []})["content"] + [entry]}
@@ -324,12 +328,17 @@ async def _chat_stream(backend: Backend, metrics: Metrics, request: StreamReques
                 last, called = stream.finish(event.completion.text)
                 text += last
                 if prompt.parse_tools:
+                    if event.index in grown:
+                        grown.discard(event.index)
+                        take_call_deltas(event.index)
                     calls.setdefault(event.index, []).extend(
                         tool_calls[event.index].finish(prompt.forced_prefix + event.completion.text))
                 choice["finish_reason"] = "tool_calls" if called else event.completion.finish_reason
                 finished += len(event.completion.token_ids)
             if text:
                 choice["delta"]["content"] = choice["delta"].get("content", "") + text
+        for index in grown:
+            take_call_deltas(index)
         for index, sent in calls.items():
             if sent:
                 deltas[index]["delta"]["tool_calls"] = merge_call_deltas(sent)
