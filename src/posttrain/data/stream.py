@@ -324,7 +324,6 @@ class StreamingSFTData:
             self.decontaminator = Decontaminator(items, tokenizer, config.decontaminate.ngram)
         self._report: dict[str, Any] = {"streaming": True, "read_to_end": False}
         self._live: tuple[StreamStats, int] | None = None  # the pass the report follows until one completes
-        self._complete = False
         self._counts: dict[int, int] = {}
         self._rejects_written = 0  # every pass meets the same rejects in the same order: written once
         self.rates: dict[str, float] | None = None
@@ -353,7 +352,7 @@ class StreamingSFTData:
         rejects = None
         if self.config.on_invalid == "skip":
             rejects = RejectLog(self.rejects_path, already_written=self._rejects_written)
-        if not self._complete:
+        if not self._report["read_to_end"]:
             self._live = (stats, epoch)
         try:
             samples = stream_samples(self.config, stats, rejects, self.heldout_prompts)
@@ -369,8 +368,8 @@ class StreamingSFTData:
             raise DataError("data.train: no training sample left after reading, dedup, decontamination and "
                             "tokenization")
         self._counts[epoch] = stats.rows
-        if not self._complete:
-            self._complete, self._live = True, None
+        if not self._report["read_to_end"]:
+            self._live = None
             self._report.update(stats.report(), epoch=epoch, read_to_end=True)
 
     def survey(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,12 +224,12 @@ class AgentEnv:
         calls = endpoint.calls
         driven = DrivenEpisode(tokens=tokens, steps=len(calls),
                                finish_reasons=[c.completion.finish_reason for c in calls])
+        calls_per_segment = Counter(c.segment for c in calls)
         driven.metadata = {
             "calls": len(calls), "segments": len(segments), "completion_tokens": endpoint.completion_tokens,
             "limit_hit": endpoint.limit_hit, "refused_calls": endpoint.refused_calls,
             "ignored_params": sorted(endpoint.ignored_params),
-            "earlier_segments": [_segment_dict(s, sum(c.segment == i for c in calls))
-                                 for i, s in enumerate(segments[:-1])],
+            "earlier_segments": [_segment_dict(s, calls_per_segment[i]) for i, s in enumerate(segments[:-1])],
         }
         # Only the episode's own limits truncate it: a call cut at its max_tokens is the agent's to handle (it
         # got finish_reason "length"), as a human-written client would.
