@@ -157,7 +157,7 @@ class GenerationRequest:
 
     prompt_token_ids: list[int]
     request_id: str = ""
-    # An image prompt (`posttrain.models.vision_prompt`): the processor's image tensors for this prompt alone
+    # An image prompt (`posttrain.models.vision_request`): the processor's image tensors for this prompt alone
     # (``pixel_values`` and whatever else the model's forward takes beside the ids: ``image_sizes``,
     # ``image_grid_thw`` ...). `prompt_token_ids` already hold the image tokens the processor expanded them to.
     image_inputs: dict[str, Any] | None = None

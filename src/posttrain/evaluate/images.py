@@ -10,19 +10,18 @@ reward and the eval score.
 
 `score_image_suite` gives per-domain pass@1 (greedy unless told) and the cases a report shows: every case keeps a
 thumbnail of its image (a PNG ``data:`` URL, `thumbnail_px` on its longer side) beside the question, the expected
-answer and the model's answer (`posttrain.evaluate.report.image_cases_html`).
+answer and the model's answer (`posttrain.evaluate.image_report.image_section`).
 """
 
 from __future__ import annotations
 
-import base64
-import io
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from posttrain.data import VisionSample, validate_vision_record
 from posttrain.models import vision_request
+from posttrain.tasks import png_data_url
 from posttrain.types import Completion, Reward, SamplingParams, Task
 from posttrain.verify import verify
 
@@ -94,9 +93,7 @@ def thumbnail(image: Any, size: int = THUMBNAIL_PX) -> str:
     scale = size / max(image.size)
     small = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                          Image.Resampling.NEAREST)
-    buffer = io.BytesIO()
-    small.save(buffer, format="PNG", optimize=True)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return png_data_url(small)
 
 
 def _question(sample: VisionSample) -> str:

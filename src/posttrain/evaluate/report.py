@@ -12,14 +12,13 @@ from a model, a dataset or a file name is escaped (`html.escape`) before it is w
 
 from __future__ import annotations
 
-import html
 import json
 from importlib import resources
 from string import Template
 from typing import Any, Iterable
 
 from posttrain.evaluate.failures import FAILURE_LABELS
-from posttrain.evaluate.image_report import image_section
+from posttrain.evaluate.image_report import _e, _pct, image_section
 from posttrain.evaluate.metrics import FAILURE_CLASSES
 from posttrain.evaluate.svg import bar_chart, color, heat_map, line_chart, scatter_chart, stacked_bars
 
@@ -527,12 +526,6 @@ def _kind(view: _View, name: str) -> str:
     return next((s["kind"] for s in view.suites if s["name"] == name), "")
 
 
-def _e(value: Any) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{value * 100:.1f}%"
 
 
 def _num(value: float | None, digits: int) -> str:

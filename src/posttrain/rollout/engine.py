@@ -10,7 +10,7 @@ One `generate` call runs its requests in chunks of at most ``max_batch_size`` se
    batch once an eighth of it has finished, so finished sequences stop costing compute.
 
 A request may be an image prompt (``GenerationRequest.image_inputs``: a vision-language model's pixel tensors,
-its ids already holding the image tokens; `posttrain.models.vision_prompt` builds one): the generic runner feeds
+its ids already holding the image tokens; `posttrain.models.vision_request` builds one): the generic runner feeds
 the images to the prefill and decodes as for text, so the tokens and logprobs follow the same rules. The fast
 decoder and speculative decoding take text prompts only.
 

@@ -47,6 +47,7 @@ from posttrain.tasks.base import (
 )
 from posttrain.tasks.haystack import TokenCounter, filler_vocabulary
 from posttrain.tasks.reasoning_gym import reasoning_gym_names
+from posttrain.tasks.shapes import data_url as png_data_url
 
 __all__ = [
     "DOMAINS",
@@ -58,6 +59,7 @@ __all__ = [
     "domain",
     "filler_vocabulary",
     "get_domain",
+    "png_data_url",
     "reasoning_gym_names",
     "sample_tasks",
     "split_of",

@@ -80,7 +80,7 @@ def completion_logprobs(model: torch.nn.Module, sequences: Sequence[ImageSequenc
         mask[row, :length] = 1
     ids, mask = ids.to(parameter.device), mask.to(parameter.device)
     images = _join_images([s.image_inputs for s in sequences], parameter.device, parameter.dtype)
-    logits = model(input_ids=ids, attention_mask=mask, **images).logits
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **images).logits
     out = []
     for row, sequence in enumerate(sequences):
         start, count = len(sequence.prompt_ids), len(sequence.completion_ids)
