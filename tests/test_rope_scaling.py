@@ -152,3 +152,17 @@ def test_the_tokenizer_cap_follows_the_extended_context(tiny_tokenizer):
     short.model_max_length = 4096
     load_model(ModelConfig(preset="tiny-1m"), short)
     assert short.model_max_length == 4096
+
+
+def test_an_eval_policy_extends_the_model_as_the_training_run_does(tiny_tokenizer, tmp_path):
+    """The demo's SFT validation engine follows a model trained from an unextended base: built from the base
+    directory alone it would refuse every prompt past the base's 1,024 positions (as the first long-context run
+    did, scoring its validation 0%); given the recipe's `rope_scaling` it holds what the trained model holds."""
+    from posttrain.evaluate import load_policy
+
+    save_model_dir(tmp_path / "base", build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    assert load_policy(tmp_path / "base").engine.max_length == 1024
+    scaling = RopeScalingConfig(type="linear", factor=8.0, original_max_position_embeddings=1024)
+    policy = load_policy(tmp_path / "base", rope_scaling=scaling)
+    assert policy.engine.max_length == 8192
+    assert policy.engine.model.config.rope_parameters["rope_type"] == "linear"

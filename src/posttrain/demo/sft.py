@@ -44,7 +44,9 @@ def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
 
 def validation_accuracy(run: DemoRun) -> Callable[[Any], dict[str, float]] | None:
     """An SFT `evaluate` callback: greedy accuracy on the validation tasks, on an engine kept in step with the
-    model in training (its weights pushed in memory), as "score" (the mean over domains) and per domain."""
+    model in training (its weights pushed in memory), as "score" (the mean over domains) and per domain. The
+    engine's model is extended as the SFT recipe extends the base (`model.rope_scaling`), so it holds the
+    validation prompts the trained model does."""
     tasks = load_validation(run)
     if not tasks:
         return None
@@ -52,7 +54,8 @@ def validation_accuracy(run: DemoRun) -> Callable[[Any], dict[str, float]] | Non
     from posttrain.evaluate import load_policy
     from posttrain.rollout import state_for_engine
 
-    policy = load_policy(run.base_dir, EvalRuntime(batch_size=run.recipe.eval.batch_size))
+    policy = load_policy(run.base_dir, EvalRuntime(batch_size=run.recipe.eval.batch_size),
+                         rope_scaling=run.recipe.sft.model.rope_scaling)
     version = iter(range(1, 1 << 30))
 
     def evaluate(model) -> dict[str, float]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RuntimeConfig, TierEngine
+from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RopeScalingConfig, RuntimeConfig, TierEngine
 from posttrain.evaluate.errors import EvalError
 from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
 from posttrain.evaluate.suites import Suite
@@ -54,14 +54,17 @@ class RunStats:
         return self.episodes / self.seconds if self.seconds > 0 else 0.0
 
 
-def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: TierEngine | None = None) -> Policy:
+def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: TierEngine | None = None, *,
+                rope_scaling: RopeScalingConfig | None = None) -> Policy:
     """The model and tokenizer of a local Hugging Face directory behind an `HFEngine` (built with a tier's
-    `engine` settings when given: its runner, and `options` as further keyword arguments)."""
+    `engine` settings when given: its runner, and `options` as further keyword arguments). `rope_scaling` (a
+    recipe's `model.rope_scaling`) extends the model as training does, for an engine that follows a model trained
+    from this directory with its context extended."""
     from posttrain.models import ModelError, autocast_dtype, load_model, load_tokenizer, resolve_device
     from posttrain.rollout import HFEngine, load_speculation
 
     runtime = runtime or EvalRuntime()
-    config = ModelConfig(path=str(path))
+    config = ModelConfig(path=str(path), rope_scaling=rope_scaling)
     settings = RuntimeConfig(device=runtime.device, precision=runtime.precision)
     try:
         tokenizer = load_tokenizer(config)
