@@ -13,8 +13,8 @@ same policy — weights that never reached the engine, a LoRA adapter left out o
 chat template or tokenizer, a numeric path far off — and the run stops before it trains on garbage. The same
 comparison is logged every step (`gap_*` metrics) from the training forward. Given a vision-language model's
 processor, the same test runs on image tasks (`rl.vision.run_vision_grpo`): prompts rendered by the processor with
-their images, the trainer's forward fed the same image tensors as the engine's prefill. The default tolerance follows the
-precision in use (`train.forward.logprob_tolerance`): 1e-3 in fp32; in bf16 a few bf16 epsilons per unit of the
+their images, the trainer's forward fed the same image tensors as the engine's prefill. The default tolerance follows
+the precision in use (`train.forward.logprob_tolerance`): 1e-3 in fp32; in bf16 a few bf16 epsilons per unit of the
 largest |logit|, from the noise measured between two bf16 forwards of the same model — not a flat allowance that
 would also pass a different function (a missing soft-cap).
 

@@ -14,9 +14,9 @@ One step (`run_vision_grpo`; the update alone: `vision_grpo_update`), top to bot
 
 On-policy (one update per batch), so the ratio is 1 up to the engine/trainer gap, which the self-test bounds at
 start-up (`rl.engine_trainer_self_test` with the processor: the engine samples answers to image prompts, the
-trainer re-scores the same tokens with the same images). This is the single-turn image path; the multi-turn episode loop (`posttrain.envs`) and the
-`posttrain rl` recipe still take text tasks only, and there is no KL term, resume or guard here. A LoRA policy
-(`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
+trainer re-scores the same tokens with the same images). This is the single-turn image path; the multi-turn episode
+loop (`posttrain.envs`) and the `posttrain rl` recipe still take text tasks only, and there is no KL term, resume or
+guard here. A LoRA policy (`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
 """
 
 from __future__ import annotations
