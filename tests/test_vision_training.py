@@ -3,19 +3,27 @@ Pillow-drawn image tasks: the engine samples from image prompts with exact token
 image prompts), SFT trains on the assistant tokens of image chats, DPO on image pairs, GRPO on the shapes tasks."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from PIL import Image
 
 from posttrain.data import validate_vision_record
-from posttrain.evaluate import sample_image_tasks, score_image_suite
-from posttrain.evaluate.images import image_sample
-from posttrain.models import build_tiny_vlm, vision_request
-from posttrain.rl import SelfTestError
-from posttrain.rl import image_engine, image_self_test, run_vision_grpo
+from posttrain.evaluate import image_sample, sample_image_tasks, score_image_suite
+from posttrain.models import build_tiny_vlm, vision_inputs, vision_request
+from posttrain.rl import SelfTestError, engine_trainer_self_test, image_engine, run_vision_grpo, vision_grpo_update
+from posttrain.rl.advantages import compute_advantages
+from posttrain.rl.vision import _sequences
 from posttrain.tasks import get_domain, sample_tasks
-from posttrain.train import VisionPair, completion_logprobs, run_vision_dpo, run_vision_sft, vision_sft_loss
+from posttrain.train import (
+    VisionPair,
+    completion_logprobs,
+    run_vision_dpo,
+    run_vision_sft,
+    selected_logits,
+    vision_sft_loss,
+)
 from posttrain.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,11 +38,17 @@ def _tasks(count, name="largest_colour", level=1, split="train"):
     return sample_tasks(get_domain(name, canvas=32), count, level=[level], split=split)
 
 
+def _self_test(engine, model, processor, tasks, temperature=1.0, max_new_tokens=8):
+    """The RL self-test on image prompts: the processor renders each task's prompt with its image."""
+    return engine_trainer_self_test(engine, model, processor.tokenizer, tasks, temperature=temperature,
+                                    max_new_tokens=max_new_tokens, processor=processor)
+
+
 def test_the_engine_samples_from_image_prompts_with_the_trainers_logprobs(vlm):
     model, processor = vlm
     engine = image_engine(model, processor)
     tasks = _tasks(3) + _tasks(1, "read_digits")  # prompts of different lengths share a left-padded prefill
-    stats = image_self_test(engine, model, processor, tasks, temperature=1.0, max_new_tokens=6)
+    stats = _self_test(engine, model, processor, tasks, temperature=1.0, max_new_tokens=6)
     assert stats["gap_abs_max"] < 1e-4
     sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=5)
     first = sample_image_tasks(engine, processor, tasks, sampling)
@@ -72,7 +86,7 @@ def test_the_image_reaches_the_engine_and_stale_weights_fail_the_self_test(vlm):
         for parameter in changed.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     with pytest.raises(SelfTestError, match="image self-test"):
-        image_self_test(engine, changed, processor, _tasks(2))
+        _self_test(engine, changed, processor, _tasks(2))
 
 
 def _demonstrations(tasks):
@@ -80,17 +94,38 @@ def _demonstrations(tasks):
         {"role": "assistant", "content": task.metadata["answer"]}]}) for task in tasks]
 
 
-def test_sft_on_image_chats_learns_the_answers_and_scores_assistant_tokens_only(tiny_tokenizer):
+def test_sft_on_image_chats_learns_the_answers(tiny_tokenizer):
     model, processor = build_tiny_vlm(tiny_tokenizer, seed=1)
     samples = _demonstrations(_tasks(16))
     with torch.no_grad():
         before = float(vision_sft_loss(model, processor, samples[:4]))
     result = run_vision_sft(model, processor, samples, steps=12, lr=3e-3, batch_size=4, seed=0)
     assert result.losses[-1] < 0.5 * before
-    # the loss is the mean over assistant tokens: the prompt (image and question) carries no label
-    swapped = [validate_vision_record({"messages": [s.messages[0], {"role": "assistant", "content": "x"}],
-                                       "images": s.images}) for s in samples[:2]]
-    assert torch.isfinite(vision_sft_loss(model, processor, swapped))
+
+
+def test_the_sft_loss_is_the_token_mean_over_the_assistant_reply_alone(vlm):
+    """The labels are exactly the reply's tokens and its end-of-turn (everything after the prompt the engine would
+    be given), and the loss is the cross-entropy there, averaged over the batch's reply tokens."""
+    model, processor = vlm
+    tasks = _tasks(1) + _tasks(1, "read_digits", level=3)  # replies of different lengths: a token mean, not a row mean
+    samples = _demonstrations(tasks)
+    losses, counts = [], []
+    with torch.no_grad():
+        for task, sample in zip(tasks, samples):
+            row = vision_inputs(processor, sample.messages, sample.images)
+            ids, labels = row["input_ids"][0], row["labels"][0]
+            prompt = vision_request(processor, sample.prompt_messages, sample.images).prompt_token_ids
+            assert ids[: len(prompt)].tolist() == prompt
+            assert (labels != -100).tolist() == [False] * len(prompt) + [True] * (len(ids) - len(prompt))
+            reply = processor.tokenizer.decode(ids[len(prompt):])
+            assert reply == task.metadata["answer"] + processor.tokenizer.eos_token
+            logits = model(input_ids=ids[None], pixel_values=row["pixel_values"]).logits[0]
+            losses.append(torch.nn.functional.cross_entropy(logits[len(prompt) - 1 : -1], ids[len(prompt):],
+                                                            reduction="sum"))
+            counts.append(len(ids) - len(prompt))
+        expected = sum(losses) / sum(counts)
+        assert counts[0] != counts[1]
+        assert float(vision_sft_loss(model, processor, samples)) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_dpo_on_image_pairs_prefers_the_chosen_answer(tiny_tokenizer):
@@ -106,18 +141,65 @@ def test_dpo_on_image_pairs_prefers_the_chosen_answer(tiny_tokenizer):
     assert result.metrics[-1]["reward_accuracy"] >= 0.75
 
 
-def test_grpo_on_shape_tasks_updates_the_policy_and_the_engine(tiny_tokenizer):
+def _lowercase_start_tasks(count):
+    """Image tasks judged by a format rule the untrained policy meets by chance (its answer starts with a lowercase
+    letter: 1 in 8 here), so groups carry signal from the first step without any training first."""
+    return [dataclasses.replace(task, verifier="format", verifier_args={"pattern": "^[a-z]", "full_match": False})
+            for task in _tasks(count)]
+
+
+def test_a_grpo_update_raises_the_rewarded_answers_and_lowers_the_others(tiny_tokenizer):
+    model, processor = build_tiny_vlm(tiny_tokenizer, seed=3)
+    engine = image_engine(model, processor)
+    sampling = SamplingParams(n=4, max_new_tokens=4, temperature=1.0, seed=0)
+    answers = [a for group in sample_image_tasks(engine, processor, _lowercase_start_tasks(4), sampling)
+               for a in group]
+    advantages = compute_advantages([a.reward.score for a in answers], [a.task.id for a in answers])
+    sequences = _sequences(answers)
+    with torch.no_grad():
+        before = [float(lp.sum()) for lp in completion_logprobs(model, sequences)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    figures = vision_grpo_update(model, optimizer, answers, pad_id=processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        after = [float(lp.sum()) for lp in completion_logprobs(model, sequences)]
+    change = [b - a for a, b in zip(before, after)]
+    rewarded = [c for c, adv in zip(change, advantages) if adv > 0]
+    unrewarded = [c for c, adv in zip(change, advantages) if adv < 0]
+    assert figures["trained_sequences"] == len(rewarded) + len(unrewarded) == 8  # two groups with mixed rewards
+    assert figures["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # on-policy: the engine sampled these weights
+    assert min(rewarded) > 0.5 and max(unrewarded) < 0.0  # seed 0: every rewarded answer up, every other down
+
+
+def test_grpo_trains_the_policy_and_keeps_the_engine_on_its_weights(tiny_tokenizer):
     model, processor = build_tiny_vlm(tiny_tokenizer, seed=3)
     before = [p.detach().clone() for p in model.parameters()]
-    pool = _tasks(24)
+    pool = _lowercase_start_tasks(24)
     result = run_vision_grpo(model, processor, lambda step, count: [pool[(step * count + i) % len(pool)]
                                                                     for i in range(count)],
                              steps=2, tasks_per_step=4, group_size=4, max_new_tokens=4, lr=1e-3, seed=0)
     assert result.self_test["gap_abs_max"] < 1e-4
-    assert len(result.steps) == 2 and all(0.0 <= s["reward_mean"] <= 1.0 for s in result.steps)
-    trained = [s for s in result.steps if s["trained_sequences"]]
-    if trained:  # random answers rarely differ in reward inside a group; when one does, the weights move
-        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [s["trained_sequences"] for s in result.steps] == [8, 4]  # seed 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # step 1 sampled from the weights step 0 wrote: a stale engine would put the ratio far from 1 (the update moved
+    # a sequence's log-prob by 0.2-2.2 nats, see the test above)
+    assert result.steps[1]["ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert result.steps[1]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_trainer_forward_of_a_vlm_takes_the_image(vlm):
+    """`selected_logits` runs a VLM whole: its decoder alone (the language model) would ignore `pixel_values`."""
+    model, processor = vlm
+    sample = image_sample(_tasks(1)[0])
+    request = vision_request(processor, sample.messages, sample.images)
+    ids = torch.tensor([request.prompt_token_ids])
+    select = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
+    pixels = request.image_inputs["pixel_values"]
+    with torch.no_grad():
+        ours = selected_logits(model, ids, select, pixel_values=pixels)
+        theirs = model(input_ids=ids, pixel_values=pixels).logits[0, :-1]
+        black = selected_logits(model, ids, select, pixel_values=torch.zeros_like(pixels))
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert not torch.allclose(ours, black, atol=1e-3)
 
 
 def test_an_image_suite_scores_per_domain_with_thumbnails(vlm):
@@ -136,8 +218,6 @@ def test_trainer_logprobs_do_not_depend_on_the_batch_padding(vlm):
     engine = image_engine(model, processor)
     answers = [g[0] for g in sample_image_tasks(engine, processor, _tasks(1) + _tasks(1, "read_digits", level=3),
                                                 SamplingParams(max_new_tokens=4, temperature=1.0, seed=2))]
-    from posttrain.rl.vision import _sequences
-
     with torch.no_grad():
         together = completion_logprobs(model, _sequences(answers))
         alone = [completion_logprobs(model, _sequences([a]))[0] for a in answers]
@@ -175,7 +255,7 @@ def test_lora_on_the_tiny_vlm_trains_adapters_and_the_engine_runs_the_merged_pol
     assert result.losses[-1] < result.losses[0]  # every step sees the same 8 chats
     assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
     engine = image_engine(model, processor)  # the adapters merged into a plain copy
-    assert image_self_test(engine, model, processor, _tasks(2))["gap_abs_max"] < 1e-4
+    assert _self_test(engine, model, processor, _tasks(2))["gap_abs_max"] < 1e-4
 
 
 def test_the_vllm_engine_refuses_image_prompts_instead_of_dropping_the_image():

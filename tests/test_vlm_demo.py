@@ -25,3 +25,19 @@ def test_the_vlm_demo_runs_sft_then_grpo_and_writes_its_figures_and_report(tmp_p
     assert (tmp_path / "model" / "config.json").is_file()
     with pytest.raises(ConfigError, match="sft"):
         load_recipe(recipe_path("vlm-demo"), ["sft.stepz=3"], schema=VLMDemoRecipe)
+
+
+def test_posttrain_demo_with_the_vlm_recipe_runs_the_vlm_demo(tmp_path, capsys):
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    code = main(["demo", "--recipe", "vlm-demo", "--output", str(out), "demos=4", "heldout=2", "sft.steps=2",
+                 "rl.steps=1", "rl.tasks_per_step=2", "rl.group_size=2"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["title"] == "vlm-demo" and results["figures"]["sft"]["steps"] == 2
+    assert "[vlm-demo] held-out pass@1" in capsys.readouterr().out
+    assert main(["demo", "--recipe", "vlm-demo", "--resume"]) == 2  # a user error, one line
+    assert "no resume" in capsys.readouterr().err
+    assert main(["demo", "--recipe", "vlm-demo", "sft.stepz=3"]) == 2
+    assert "stepz" in capsys.readouterr().err

@@ -3,7 +3,7 @@
     posttrain sft recipe.yaml optim.lr=3e-4 [--resume]
     posttrain validate grpo-math                 # check a recipe, its model and data, without training
     posttrain recipes grpo-math --copy my-run/   # a packaged recipe with its data, to edit
-    posttrain demo
+    posttrain demo [--recipe long-context|vlm-demo]
 
 A user's mistake (bad recipe, bad data, missing model) is a one-line error and exit code 2; `--debug`
 shows the traceback. Anything else is a bug and always shows one.
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         if name == "demo":
             sub.add_argument("--recipe", default="demo", help="a demo-stage recipe: a file, or a packaged one by name "
-                             "(default demo; long-context: docs/long-context.md)")
+                             "(default demo; long-context: docs/long-context.md; vlm-demo: docs/multimodal.md)")
             sub.add_argument("--output", default=None, help="run directory (default: the recipe's output_dir, "
                              "runs/demo for the demo)")
             sub.add_argument("--resume", action="store_true", help="skip finished stages, resume the running one")

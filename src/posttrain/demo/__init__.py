@@ -10,5 +10,6 @@ from posttrain.demo import report as _report  # noqa: F401  (registers "report")
 from posttrain.demo import rl as _rl  # noqa: F401  (registers "rl", "sft_control")
 from posttrain.demo import sft as _sft  # noqa: F401  (registers "sft")
 from posttrain.demo.pipeline import STAGES, DemoRun, demo_stage, print_summary, run_demo
+from posttrain.demo.vlm import run_vlm_demo
 
-__all__ = ["STAGES", "DemoRun", "demo_stage", "print_summary", "run_demo"]
+__all__ = ["STAGES", "DemoRun", "demo_stage", "print_summary", "run_demo", "run_vlm_demo"]

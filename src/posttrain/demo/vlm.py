@@ -1,7 +1,8 @@
 """The `vlm-demo`: SFT then GRPO on generated image tasks with the built-in tiny VLM, on a CPU, with the held-out
 pass@1 before, after SFT and after RL.
 
-    python -m posttrain.demo.vlm src/posttrain/recipes/vlm-demo.yaml [a.b=c ...]
+    posttrain demo --recipe vlm-demo [--quick] [--output DIR] [a.b=c ...]
+    python -m posttrain.demo.vlm src/posttrain/recipes/vlm-demo.yaml [a.b=c ...]     # the same, without the CLI
 
 Reads top to bottom: a tokenizer trained on the tasks' text -> `build_tiny_vlm` -> demonstrations (the answer alone)
 and held-out tasks (split by hash) -> held-out pass@1 (greedy) -> SFT (`train.run_vision_sft`) -> pass@1 ->

@@ -34,7 +34,15 @@ from posttrain.evaluate.metrics import (
 from posttrain.evaluate.pipeline import EvalResult, evaluate, write_results
 from posttrain.evaluate.report import render_report
 from posttrain.evaluate.image_report import image_section, image_suite_json
-from posttrain.evaluate.images import ImageAnswer, ImageCase, ImageSuiteScore, sample_image_tasks, score_image_suite, thumbnail
+from posttrain.evaluate.images import (
+    ImageAnswer,
+    ImageCase,
+    ImageSuiteScore,
+    image_sample,
+    sample_image_tasks,
+    score_image_suite,
+    thumbnail,
+)
 from posttrain.evaluate.runner import Policy, RunStats, SuiteEvaluator, load_policy, run_items, score_suites
 from posttrain.evaluate.suites import (
     Suite,
@@ -52,6 +60,7 @@ __all__ = [
     "ImageAnswer",
     "ImageCase",
     "ImageSuiteScore",
+    "image_sample",
     "image_section",
     "image_suite_json",
     "sample_image_tasks",

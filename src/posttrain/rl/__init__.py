@@ -33,13 +33,13 @@ from posttrain.rl.guarding import RunGuard
 from posttrain.rl.learned import Critic, LearnedReward, make_critic
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, engine_rollout, episode_record
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on, starting_tokenizer
-from posttrain.rl.vision import VisionGRPOResult, image_engine, image_self_test, run_vision_grpo
+from posttrain.rl.vision import VisionGRPOResult, image_engine, run_vision_grpo, vision_grpo_update
 from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
 
 __all__ = [
     "VisionGRPOResult",
     "image_engine",
-    "image_self_test",
+    "vision_grpo_update",
     "run_vision_grpo",
     "BatchProducer",
     "Critic",

@@ -11,8 +11,10 @@ the first step the trainer pushes its weights to the engine, samples a fixed bat
 with its own forward pass and compares log-probs. A gap beyond the tolerance means the two are not running the
 same policy — weights that never reached the engine, a LoRA adapter left out of the pushed weights, a different
 chat template or tokenizer, a numeric path far off — and the run stops before it trains on garbage. The same
-comparison is logged every step (`gap_*` metrics) from the training forward. The default tolerance follows the
-precision in use (`train.forward.logprob_tolerance`): 1e-3 in fp32; in bf16 a few bf16 epsilons per unit of the
+comparison is logged every step (`gap_*` metrics) from the training forward. Given a vision-language model's
+processor, the same test runs on image tasks (`rl.vision.run_vision_grpo`): prompts rendered by the processor with
+their images, the trainer's forward fed the same image tensors as the engine's prefill. The default tolerance follows
+the precision in use (`train.forward.logprob_tolerance`): 1e-3 in fp32; in bf16 a few bf16 epsilons per unit of the
 largest |logit|, from the noise measured between two bf16 forwards of the same model — not a flat allowance that
 would also pass a different function (a missing soft-cap).
 
@@ -31,20 +33,23 @@ every call (version = draw), so an on-policy sample always comes from the weight
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from posttrain.config import DistillTasksConfig, RLRecipe
 from posttrain.data import prompt_ids
 from posttrain.envs import run_episodes
+from posttrain.evaluate import image_sample
+from posttrain.models import vision_request
 from posttrain.rl.pipeline import RolloutFn, engine_rollout
 from posttrain.rl.update import LocalPolicy, PolicyTrainer, plain_copy, scoring_temperature
 from posttrain.rollout import HFEngine, VLLMEngine, load_speculation, state_for_engine
 from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.train import Runtime, logprob_gap_stats, logprob_tolerance, selected_logits, target_logprobs
-from posttrain.types import GenerationRequest, PosttrainError, SamplingParams, Task, Trajectory
+from posttrain.types import Completion, GenerationRequest, PosttrainError, SamplingParams, Task, Trajectory
 
 
 @dataclass
@@ -130,45 +135,75 @@ def engine_trainer_self_test(
     engine: Any,
     model: torch.nn.Module,
     tokenizer: Any,
-    tasks: list[Task],
-    runtime: Runtime,
+    tasks: Sequence[Task],
+    runtime: Runtime | None = None,
     *,
     temperature: float,
     max_new_tokens: int,
     tolerance: float | None = None,
     seed: int = 0,
+    processor: Any = None,
 ) -> dict[str, float]:
-    """Sample `tasks` with the engine, re-score with the trainer; raise `SelfTestError` past `tolerance`."""
-    prompts = prompt_ids(tokenizer, [task.messages for task in tasks])
+    """Sample `tasks` with the engine, re-score with the trainer; raise `SelfTestError` past `tolerance`.
+
+    With a vision-language model's `processor`, `tasks` are image tasks: each prompt goes through the processor with
+    its images (`models.vision_request`), and the trainer's forward gets the same image tensors the engine's prefill
+    got. `runtime` None: the model's device, no autocast.
+    """
+    requests = _self_test_requests(tokenizer, tasks, processor)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    completions = engine.generate([GenerationRequest(p) for p in prompts], sampling)
-    trainer, behaviour, top = [], [], 0.0
+    completions = [group[0] for group in engine.generate(requests, sampling)]
     was_training = model.training
     model.eval()
-    for prompt, (completion,) in zip(prompts, completions):
-        if not completion.token_ids:
-            continue
-        ids = torch.tensor([prompt + completion.token_ids], device=runtime.device)
-        select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=runtime.device)
-        select[0, len(prompt) - 1 :] = True
-        with runtime.autocast():
-            logits = selected_logits(model, ids, select)
-        top = max(top, float(logits.abs().max()))
-        trainer.append(target_logprobs(logits, ids[0, len(prompt):], scoring_temperature(temperature)))
-        behaviour.append(torch.tensor(completion.logprobs, device=runtime.device))
+    trainer, behaviour, top = _rescore(model, requests, completions, runtime, scoring_temperature(temperature))
     model.train(was_training)
+    what = "self-test" if processor is None else "image self-test"
     if not trainer:
-        raise SelfTestError("self-test: the engine returned no tokens for the test prompts")
+        raise SelfTestError(f"{what}: the engine returned no tokens for the test prompts")
     stats = logprob_gap_stats(torch.cat(trainer).float(), torch.cat(behaviour).float())
-    tolerance = tolerance if tolerance is not None else logprob_tolerance(runtime.autocast_dtype, top)
+    autocast_dtype = runtime.autocast_dtype if runtime is not None else None
+    tolerance = tolerance if tolerance is not None else logprob_tolerance(autocast_dtype, top)
     if stats["gap_abs_max"] > tolerance:
+        hint = ("). Set pipeline.self_test_tolerance to accept a larger numeric gap." if processor is None else
+                " another processor? the images not fed to the prefill?). Pass `tolerance` to accept a larger gap.")
         raise SelfTestError(
-            f"self-test: engine and trainer log-probs differ by up to {stats['gap_abs_max']:.4g} "
+            f"{what}: engine and trainer log-probs differ by up to {stats['gap_abs_max']:.4g} "
             f"(mean {stats['gap_abs_mean']:.3g}, tolerance {tolerance:.3g}): the engine is not running the trainer's "
-            "policy (weights not pushed? adapter missing? a different tokenizer or chat template?). "
-            "Set pipeline.self_test_tolerance to accept a larger numeric gap."
+            f"policy (weights not pushed? adapter missing? a different tokenizer or chat template?{hint}"
         )
     return stats
+
+
+def _rescore(model: torch.nn.Module, requests: Sequence[GenerationRequest], completions: Sequence[Completion],
+             runtime: Runtime | None, temperature: float) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """The trainer's log-probs of each completion's tokens (one forward per sequence, with the request's image
+    tensors), the engine's for the same tokens, and the largest |logit| seen (the bf16 tolerance scales with it)."""
+    parameter = next(model.parameters())
+    device = runtime.device if runtime is not None else parameter.device
+    autocast = runtime.autocast if runtime is not None else contextlib.nullcontext
+    trainer, behaviour, top = [], [], 0.0
+    for request, completion in zip(requests, completions):
+        if not completion.token_ids:
+            continue
+        prompt = request.prompt_token_ids
+        ids = torch.tensor([prompt + completion.token_ids], device=device)
+        select = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=device)
+        select[0, len(prompt) - 1 :] = True
+        images = {key: value.to(device, parameter.dtype if value.is_floating_point() else value.dtype)
+                  for key, value in (request.image_inputs or {}).items()}
+        with autocast():
+            logits = selected_logits(model, ids, select, **images)
+        top = max(top, float(logits.abs().max()))
+        trainer.append(target_logprobs(logits, ids[0, len(prompt):], temperature))
+        behaviour.append(torch.tensor(completion.logprobs, device=device))
+    return trainer, behaviour, top
+
+
+def _self_test_requests(tokenizer: Any, tasks: Sequence[Task], processor: Any) -> list[GenerationRequest]:
+    if processor is None:
+        return [GenerationRequest(p) for p in prompt_ids(tokenizer, [task.messages for task in tasks])]
+    samples = [image_sample(task) for task in tasks]
+    return [vision_request(processor, sample.messages, sample.images) for sample in samples]
 
 
 # ---- verified answers on the built-in engine (distillation's sampler) ----------------------------------------------

@@ -1,6 +1,6 @@
-"""GRPO on image tasks with a vision-language model, and the engine/trainer self-test on image prompts.
+"""GRPO on image tasks with a vision-language model.
 
-One step (`run_vision_grpo`), top to bottom:
+One step (`run_vision_grpo`; the update alone: `vision_grpo_update`), top to bottom:
 
     tasks       `tasks_per_step` image tasks drawn from the sampler (a function of the step)
     rollouts    `group_size` answers per task from the built-in engine on image prompts
@@ -13,10 +13,10 @@ One step (`run_vision_grpo`), top to bottom:
     weights     the new weights copied into the engine (`update_weights`, version = step)
 
 On-policy (one update per batch), so the ratio is 1 up to the engine/trainer gap, which the self-test bounds at
-start-up (`image_self_test`: the engine samples answers to image prompts, the trainer re-scores the same tokens
-with the same images). This is the single-turn image path; the multi-turn episode loop (`posttrain.envs`) and the
-`posttrain rl` recipe still take text tasks only, and there is no KL term, resume or guard here. A LoRA policy
-(`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
+start-up (`rl.engine_trainer_self_test` with the processor: the engine samples answers to image prompts, the
+trainer re-scores the same tokens with the same images). This is the single-turn image path; the multi-turn episode
+loop (`posttrain.envs`) and the `posttrain rl` recipe still take text tasks only, and there is no KL term, resume or
+guard here. A LoRA policy (`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
 """
 
 from __future__ import annotations
@@ -30,16 +30,10 @@ import torch
 
 from posttrain.evaluate import ImageAnswer, sample_image_tasks
 from posttrain.rl.advantages import compute_advantages
-from posttrain.rl.backend import SelfTestError
+from posttrain.rl.backend import engine_trainer_self_test
 from posttrain.rl.update import engine_state, plain_copy, scoring_temperature
 from posttrain.rollout import HFEngine
-from posttrain.train import (
-    ImageSequence,
-    clipped_policy_loss,
-    completion_logprobs,
-    logprob_gap_stats,
-    logprob_tolerance,
-)
+from posttrain.train import ImageSequence, clipped_policy_loss, completion_logprobs
 from posttrain.types import SamplingParams, Task
 
 TaskSampler = Callable[[int, int], list[Task]]  # (step, count) -> tasks
@@ -53,33 +47,6 @@ def image_engine(model: torch.nn.Module, processor: Any, *, version: int = 0) ->
 
 def _sequences(answers: Sequence[ImageAnswer]) -> list[ImageSequence]:
     return [ImageSequence(a.prompt_ids, a.completion.token_ids, a.image_inputs) for a in answers]
-
-
-@torch.no_grad()
-def image_self_test(engine: Any, model: torch.nn.Module, processor: Any, tasks: Sequence[Task], *,
-                    temperature: float = 1.0, max_new_tokens: int = 8, tolerance: float | None = None,
-                    seed: int = 0) -> dict[str, float]:
-    """Sample answers to image `tasks` with the engine, re-score them with the trainer; raise `SelfTestError`
-    past `tolerance` (fp32: 1e-3)."""
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    answers = [group[0] for group in sample_image_tasks(engine, processor, tasks, sampling)]
-    answers = [a for a in answers if a.completion.token_ids]
-    if not answers:
-        raise SelfTestError("image self-test: the engine returned no tokens for the test prompts")
-    was_training = model.training
-    model.eval()
-    trainer = completion_logprobs(model, _sequences(answers), temperature=scoring_temperature(temperature),
-                                  pad_id=processor.tokenizer.pad_token_id)
-    model.train(was_training)
-    behaviour = [torch.tensor(a.completion.logprobs) for a in answers]
-    stats = logprob_gap_stats(torch.cat(trainer).float(), torch.cat(behaviour).float())
-    tolerance = tolerance if tolerance is not None else logprob_tolerance(None, 0.0)
-    if stats["gap_abs_max"] > tolerance:
-        raise SelfTestError(
-            f"image self-test: engine and trainer log-probs differ by up to {stats['gap_abs_max']:.4g} (tolerance "
-            f"{tolerance:.3g}): the engine is not running the trainer's policy on image prompts (weights not "
-            "pushed? the images not fed to the prefill? another processor?)")
-    return stats
 
 
 @dataclass
@@ -97,41 +64,54 @@ def run_vision_grpo(model: torch.nn.Module, processor: Any, sample_tasks: TaskSa
     torch.manual_seed(seed)
     engine = image_engine(model, processor)
     result = VisionGRPOResult()
-    result.self_test = image_self_test(engine, model, processor, sample_tasks(-1, 4), temperature=temperature,
-                                       max_new_tokens=max_new_tokens, seed=seed)
+    result.self_test = engine_trainer_self_test(engine, model, processor.tokenizer, sample_tasks(-1, 4),
+                                                temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                                processor=processor)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    pad = processor.tokenizer.pad_token_id
     for step in range(steps):
         started = time.perf_counter()
         tasks = sample_tasks(step, tasks_per_step)
         sampling = SamplingParams(n=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                                   seed=seed * 100_003 + step)
         answers = [a for group in sample_image_tasks(engine, processor, tasks, sampling) for a in group]
-        rewards = [a.reward.score for a in answers]
-        advantages = compute_advantages(rewards, [a.task.id for a in answers])
-        kept = [i for i, (a, adv) in enumerate(zip(answers, advantages)) if adv != 0.0 and a.completion.token_ids]
-        figures = {"step": step, "reward_mean": sum(rewards) / len(rewards), "trained_sequences": len(kept)}
-        if kept:
-            model.train()
-            sequences = _sequences([answers[i] for i in kept])
-            logprobs = completion_logprobs(model, sequences, temperature=scoring_temperature(temperature),
-                                           pad_id=pad)
-            counts = [len(s.completion_ids) for s in sequences]
-            seq_index = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor(counts))
-            old = torch.tensor([lp for i in kept for lp in answers[i].completion.logprobs])
-            token_advantages = torch.tensor([advantages[i] for i in kept])[seq_index]
-            loss, stats = clipped_policy_loss(torch.cat(logprobs), old, token_advantages, seq_index, len(kept),
-                                              clip_low=clip, clip_high=clip)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            model.eval()
+        figures = {"step": step, **vision_grpo_update(model, optimizer, answers, temperature=temperature, clip=clip,
+                                                      max_grad_norm=max_grad_norm,
+                                                      pad_id=processor.tokenizer.pad_token_id)}
+        if figures["trained_sequences"]:
             engine.update_weights(engine_state(model), version=step + 1)  # LoRA: merged
-            figures.update(loss=float(loss.detach()), **{key: float(value) for key, value in stats.items()
-                                                if isinstance(value, (int, float))})
         figures["step_s"] = time.perf_counter() - started
         result.steps.append(figures)
         if log is not None:
             log(figures)
     return result
+
+
+def vision_grpo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, answers: Sequence[ImageAnswer], *,
+                       temperature: float = 1.0, clip: float = 0.2, max_grad_norm: float = 1.0, pad_id: int = 0
+                       ) -> dict[str, float]:
+    """One optimizer step of the clipped surrogate on `answers` (groups by task id, rewards from their verifiers,
+    behaviour log-probs as sampled); answers whose group scored alike are left out. Returns the step's figures
+    (no step when nothing is left: ``trained_sequences`` 0)."""
+    rewards = [a.reward.score for a in answers]
+    advantages = compute_advantages(rewards, [a.task.id for a in answers])
+    kept = [i for i, (a, adv) in enumerate(zip(answers, advantages)) if adv != 0.0 and a.completion.token_ids]
+    figures: dict[str, float] = {"reward_mean": sum(rewards) / max(1, len(rewards)), "trained_sequences": len(kept)}
+    if not kept:
+        return figures
+    model.train()
+    sequences = _sequences([answers[i] for i in kept])
+    logprobs = completion_logprobs(model, sequences, temperature=scoring_temperature(temperature), pad_id=pad_id)
+    counts = [len(s.completion_ids) for s in sequences]
+    seq_index = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor(counts))
+    old = torch.tensor([lp for i in kept for lp in answers[i].completion.logprobs])
+    token_advantages = torch.tensor([advantages[i] for i in kept])[seq_index]
+    loss, stats = clipped_policy_loss(torch.cat(logprobs), old, token_advantages, seq_index, len(kept),
+                                      clip_low=clip, clip_high=clip)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    model.eval()
+    figures.update(loss=float(loss.detach()), **{key: float(value) for key, value in stats.items()
+                                                 if isinstance(value, (int, float))})
+    return figures

@@ -8,7 +8,8 @@ upcast to fp32 before any softmax: bf16 logits lose the small differences that l
 Whatever the model's own forward does after its head is done here too: the final-logit soft-cap
 (Gemma 2/3: ``logits = cap * tanh(logits / cap)``, in fp32 here). A model that rescales its logits in a way
 this module does not know (Cohere's ``logit_scale``, Granite's ``logits_scaling``) is not split: it runs its
-own whole forward, slower but the same function. `check_forward_parity` compares this
+own whole forward, slower but the same function; so does a vision-language model (its decoder is the language model
+alone, which would drop the image). `check_forward_parity` compares this
 forward with the model's at the start of a run (below).
 """
 
@@ -60,6 +61,11 @@ _UNKNOWN_HEAD_SCALINGS = ("logit_scale", "logits_scaling")
 
 def _splittable(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is not None:
+        # A vision-language model's `get_decoder` is its language model, which never sees the image (the vision
+        # tower and the projector merge the image features in the outer model's forward), and it ignores
+        # `pixel_values` passed to it: run the whole model.
+        return None
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _UNKNOWN_HEAD_SCALINGS):
         return None
     return split_head(model)
