@@ -27,6 +27,7 @@ Standard library only; the launcher imports this by file path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -66,31 +67,48 @@ def _file_actions(fds: dict[int, int]) -> list[tuple]:
     return actions
 
 
+@contextlib.contextmanager
+def _spawning_identity(slot: Slot, network: bool):
+    """The launcher's ids (and, for a jail allowed the network, its network namespace) while it spawns: the
+    slot's real and saved ids - see the module's docstring, and the race in docs/sandbox.md's traps."""
+    entered = []
+    try:
+        if network:
+            syscalls.setns(slot.host_netns_fd, syscalls.CLONE_NEWNET)
+            entered.append("network")
+        if slot.as_root:
+            entered.append("ids")
+            os.setresgid(slot.gid, -1, slot.gid)
+            os.setresuid(slot.uid, -1, slot.uid)
+        yield
+    finally:
+        try:
+            if "ids" in entered:
+                os.setresuid(0, 0, 0)
+                os.setresgid(0, 0, 0)
+            if "network" in entered:
+                syscalls.setns(slot.own_netns_fd, syscalls.CLONE_NEWNET)
+        except OSError:
+            # fail closed: a launcher left in the host's network namespace or without its ids must not serve
+            # another run (the trainer sees it gone, reports infra_error and starts a fresh one)
+            os._exit(70)
+
+
 def spawn_bubblewrap(slot: Slot, options: list[str], command: list[str], fds: dict[int, int], limits: dict,
                      network: bool) -> int:
     """Start bubblewrap with `options` (through the ``--args`` pipe) and `command` as the slot's uid with the
-    run's limits, `fds` mapped (target -> source); returns its pid. Raises OSError if it could not be started or limited (killed then)."""
+    run's limits, `fds` mapped (target -> source); returns its pid. Raises OSError if it could not be started
+    or limited (it is killed then, before it has its options)."""
     args_r, args_w = os.pipe2(os.O_CLOEXEC)
     pid = 0
     try:
         actions = _file_actions({**fds, ARGS_FD: args_r})
-        if network:
-            syscalls.setns(slot.host_netns_fd, syscalls.CLONE_NEWNET)
-        if slot.as_root:  # real and saved ids: see the module's docstring, and the race noted below
-            os.setresgid(slot.gid, -1, slot.gid)
-            os.setresuid(slot.uid, -1, slot.uid)
-        try:
+        with _spawning_identity(slot, network):
             argv = [slot.bwrap, "--args", str(ARGS_FD), "--", *command]
-            pid = os.posix_spawn(slot.bwrap, argv, {}, file_actions=actions,
-                                 resetids=slot.as_root, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+            pid = os.posix_spawn(slot.bwrap, argv, {}, file_actions=actions, resetids=slot.as_root,
+                                 setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
             for which, value in jail_rlimits(limits):
                 resource.prlimit(pid, which, value)
-        finally:
-            if slot.as_root:
-                os.setresuid(0, 0, 0)
-                os.setresgid(0, 0, 0)
-            if network:
-                syscalls.setns(slot.own_netns_fd, syscalls.CLONE_NEWNET)
         fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, b"500")  # the run, not the launcher, is the OOM killer's first choice
@@ -103,7 +121,7 @@ def spawn_bubblewrap(slot: Slot, options: list[str], command: list[str], fds: di
             payload = payload[os.write(args_w, payload):]
     except BaseException:
         if pid:
-            os.kill(pid, signal.SIGKILL)  # before it reads a whole command line: it never builds the jail
+            os.kill(pid, signal.SIGKILL)  # before it has all its options: it never builds the jail
             os.waitpid(pid, 0)
         raise
     finally:
