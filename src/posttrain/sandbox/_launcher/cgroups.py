@@ -3,8 +3,8 @@
 cgroup v1 (separate ``memory`` and ``pids`` hierarchies) is used when both are mounted and writable; cgroup v2
 when the launcher's own cgroup delegates the ``memory`` and ``pids`` controllers. Otherwise `SlotCgroups.open`
 returns None and the sandbox runs without a memory limit (RLIMIT_NPROC still bounds processes).
-A slot's cgroups live as long as its launcher, and the launcher itself sits in them, so each run's processes are
-born inside by fork. Moving a process between cgroups per run instead costs a synchronize_rcu() in the kernel
+A slot's cgroups live as long as its launcher, and the launcher itself sits in them, so each run's processes
+are born inside. Moving a process between cgroups per run instead costs a synchronize_rcu() in the kernel
 (measured: ~12 ms per run on this kind of machine, more than the whole jail); joining once costs it once.
 The launcher's own memory is measured when it joins and added to every run's limit; it protects itself from
 the OOM killer (oom_score_adj -1000) and makes the runs its preferred victims.
@@ -135,7 +135,7 @@ class SlotCgroups:
         return ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
 
     def join(self) -> None:
-        """Move the launcher itself in (once); every run it forks is then born inside."""
+        """Move the launcher itself in (once); every process it spawns is then born inside."""
         pid = str(os.getpid())
         for directory in {self.memory_dir, self.pids_dir}:
             _write(os.path.join(directory, "cgroup.procs"), pid)
