@@ -1,10 +1,10 @@
 """Starting bubblewrap without forking the launcher: `posix_spawn` (vfork + exec) as the slot's uid, with the
 run's rlimits put on bubblewrap from outside before it may create the jail.
 
-Forking the launcher - a Python process - was a third of the jail's own CPU (measured with perf): the kernel
-copies its page tables, the child's Python code takes a copy-on-write fault on every page it touches, and the
-exec then tears the copy down again. A vfork-style spawn copies nothing, but runs no code of ours in the child,
-so what the fork's child did before exec happens another way:
+Forking the launcher - a Python process - cost 2.2 ms of CPU per run (perf, a 2-core VM): the kernel copies its
+page tables, the child's Python code takes a copy-on-write fault on every page it touches, and the exec then
+tears the copy down again. A vfork-style spawn copies nothing, but runs no code of ours in the child, so what the
+fork's child did before exec happens another way:
 
 * **uid and gid**: the launcher (root) sets its real and saved uid and gid to the slot's for the few
   microseconds of the spawn, keeping effective uid 0 (and so its capabilities), and spawns with ``resetids``:
@@ -14,13 +14,16 @@ so what the fork's child did before exec happens another way:
   run of the slot is alive during that window (runs are sequential and the slot is emptied between them), and
   the launcher has no supplementary groups (dropped at start), so the child has none either.
 * **rlimits and oom_score_adj**: set on bubblewrap's process with `prlimit` and /proc before it can clone the
-  jail. bubblewrap reads its options from a pipe (``--args FD``) before it creates any namespace or process, and the launcher writes that pipe only after the limits are in place - so every process
-  of the jail inherits them, as before. `prlimit` on another process needs the caller's real ids to match the
-  target's (or CAP_SYS_RESOURCE, which root lacks on some machines): the same real uid as above gives that. If
-  the limits cannot be set, bubblewrap is killed before it ever sees its arguments; if the launcher dies in
-  between, bubblewrap reads no options, and without them it builds no jail: it fails at once (no namespaces
-  asked for, it cannot even run the command in the missing root it would then need).
+  jail. bubblewrap reads its options from a pipe (``--args FD``) before it creates any namespace or process,
+  and the launcher writes that pipe only after the limits are in place - so every process of the jail
+  inherits them, as before. `prlimit` on another process needs the caller's real ids to match the target's
+  (or CAP_SYS_RESOURCE, which root lacks on some machines): the same real ids as above give that. If the
+  limits cannot be set, bubblewrap is killed before it has its options; if the launcher dies in between,
+  bubblewrap reads no options and builds no jail: it fails at once (its command does not exist in the empty
+  root it then makes).
 * **signals**: SIGPIPE and SIGXFSZ, which Python ignores (and exec would pass on), are reset to the default;
+* **descriptors**: only the run's, placed by the spawn's file actions; every other descriptor of the launcher
+  is close-on-exec (it marks those it inherited at start);
 * **network** (a test switch): the launcher joins the host's network namespace around the spawn.
 Standard library only; the launcher imports this by file path.
 """
