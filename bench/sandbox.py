@@ -4,7 +4,8 @@
 
 1. Start overhead: ``python3 -c pass`` in a jail minus the same command as a plain subprocess, in alternating
    pairs on one thread (p50 and p95 of the paired differences), plus where the jail's time goes (the
-   launcher's per-phase trace: set-up before fork, fork to exec, bubblewrap's set-up, the program, reaping).
+   launcher's per-phase trace: set-up before the spawn, the spawn with its limits, bubblewrap's set-up, the program,
+   reaping).
 2. Throughput: a small program with five asserts, run on all cores (one worker thread per CPU), sandboxed
    (one slot per CPU) and unsandboxed, in alternating rounds; ratio = sandboxed / unsandboxed runs per second.
    Measured twice: as the machine is ("quiet": no load of the bench's own), and with `BENCH_BUSY` (default 2)

@@ -589,6 +589,63 @@ def test_runs_as_an_unprivileged_uid_per_slot(pool):
     assert uids <= set(pool.slot_uids())
 
 
+def _host_view(pid: int) -> dict:
+    """What the host sees of a jail process: its ids, groups, capabilities, limits and OOM score."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    limits = {}
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines()[1:]:
+        name, soft, hard = line[:26].strip(), *line[26:].split()[:2]
+        limits[name] = (soft, hard)
+    return {"ids": fields["Uid"].split() + fields["Gid"].split(), "groups": fields["Groups"].split(),
+            "caps": {fields[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapAmb")},
+            "limits": limits, "oom_score_adj": Path(f"/proc/{pid}/oom_score_adj").read_text().strip()}
+
+
+@pytest.mark.parametrize("processes, open_files, file_size_mb", [(12, 40, 3), (30, 200, 9)])
+def test_every_jail_process_has_the_slot_uid_no_privileges_and_the_run_limits(pool, processes, open_files,
+                                                                               file_size_mb):
+    # bubblewrap is started without a fork of the launcher (posix_spawn) and gets its limits from outside
+    # before it may build the jail: every process of the run - bubblewrap's monitor outside the jail, its init
+    # and the program inside - must show the slot's uid in all four ids, no groups, no capabilities, and
+    # this run's limits (two runs with different limits, so the probe cannot pass on a default)
+    future = pool.submit(box(pool, cpu_s=3, processes=processes, open_files=open_files,
+                             file_size_mb=file_size_mb).request(["sleep", "3"]))
+    deadline = time.monotonic() + 20
+    seen: dict[int, dict] = {}
+    while len(seen) < 3 and time.monotonic() < deadline:
+        uids = set(pool.slot_uids())  # known once the slots' launchers have started
+        for pid, _ in _slot_processes(uids):
+            try:
+                seen.setdefault(pid, _host_view(pid))
+            except OSError:
+                pass
+        time.sleep(0.02)
+    assert future.result().status == "ok"
+    assert len(seen) >= 3, seen  # monitor, init, program
+    for view in seen.values():
+        assert len(set(view["ids"][:4])) == 1 and len(set(view["ids"][4:])) == 1, view
+        assert int(view["ids"][0]) in uids and view["groups"] == [], view
+        assert view["caps"] == {"0000000000000000"}, view
+        assert view["oom_score_adj"] == "500", view
+        limits = view["limits"]
+        assert limits["Max processes"] == (str(processes + 2),) * 2, view
+        assert limits["Max open files"] == (str(open_files),) * 2, view
+        assert limits["Max file size"] == (str(file_size_mb << 20),) * 2, view
+        assert limits["Max cpu time"] == ("3", "4") and limits["Max core file size"] == ("0", "0"), view
+
+
+NO_INHERITED_FDS_PROBE = """
+import os
+print(sorted(int(fd) for fd in os.listdir("/proc/self/fd")))
+"""
+
+
+def test_the_program_inherits_only_stdin_stdout_stderr(pool):
+    # the launcher's own pipes and descriptors (its request pipe, cgroup files, namespace handles) never reach
+    # a jail: the fourth descriptor is the one listdir opened on /proc/self/fd
+    assert box(pool).run_python(NO_INHERITED_FDS_PROBE).stdout.strip() == "[0, 1, 2, 3]"
+
+
 def test_two_hundred_back_to_back_runs_have_no_infra_error(pool):
     sandbox = box(pool)
     before = pool.stats().infra_errors

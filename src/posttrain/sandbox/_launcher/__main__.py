@@ -35,12 +35,26 @@ def _claim_uid(base: int, span: int) -> tuple[int, socket.socket]:
     raise RuntimeError(f"all {span} sandbox uids from {base} are held by other launchers")
 
 
+def _close_on_exec_everywhere() -> None:
+    """Mark every descriptor above stderr close-on-exec: bubblewrap is spawned without a fork in which to close
+    what it should not inherit, and every descriptor the launcher opens later is close-on-exec already."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the directory's own descriptor, closed by now
+
+
 def _start(config: dict) -> tuple[Slot, object]:
     as_root = os.geteuid() == 0
+    _close_on_exec_everywhere()
     holder = None
     if as_root:
         uid, holder = _claim_uid(int(config["uid_base"]), int(config["uid_span"]))
         gid = uid
+        os.setgroups([])  # bubblewrap is spawned with the launcher's groups (spawn.py): none
     else:  # without root there is one uid to run as: our own (bubblewrap still maps it into a user namespace)
         uid, gid = os.getuid(), os.getgid()
     # Unique per launcher, so nobody else's clean-up can ever touch this launcher's cgroups.

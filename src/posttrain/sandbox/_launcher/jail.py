@@ -27,6 +27,7 @@ ETC_ENTRIES = (
 )
 INFO_FD = 3
 SECCOMP_FD = 4
+ARGS_FD = 5  # the launcher hands bubblewrap its options through a pipe (spawn.py says why)
 
 
 def etc_entries() -> list[str]:
@@ -44,16 +45,17 @@ def _system_binds() -> list[str]:
     return args
 
 
-def bwrap_argv(
-    bwrap: str, workdir_host: str, command: list[str], limits: dict, jail: dict, env: dict[str, str],
-    seccomp: bool, root: str, staged: dict[str, str] | None = None,
+def bwrap_options(
+    workdir_host: str, limits: dict, jail: dict, env: dict[str, str], seccomp: bool, root: str,
+    staged: dict[str, str] | None = None,
 ) -> list[str]:
-    """The full argv. ``root`` is the launcher's prepared (sealed, read-only) jail root. ``staged`` maps each of
-    ``jail["ro_paths"]`` to where the launcher bind-mounted it for bubblewrap, which runs as the slot's uid and may
-    not be able to reach the original (e.g. under /root)."""
+    """bubblewrap's options: its command line before ``--`` and the command. ``root`` is the launcher's prepared
+    (sealed, read-only) jail root. ``staged`` maps each of ``jail["ro_paths"]`` to where the launcher
+    bind-mounted it for bubblewrap, which runs as the slot's uid and may not be able to reach the original
+    (e.g. under /root)."""
     # No --unshare-net: the launcher gave its slot a network namespace of its own (see slot.py), which the
-    # jail inherits - or, with jail["network"], the launcher's child joined the host's before exec.
-    args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
+    # jail inherits - or, with jail["network"], the launcher joined the host's around the spawn (spawn.py).
+    args = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
             "--new-session", "--hostname", "sandbox", "--info-fd", str(INFO_FD)]
     if not jail.get("nested_namespaces"):
         args.append("--disable-userns")
@@ -78,4 +80,4 @@ def bwrap_argv(
              "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
     for key, value in env.items():
         args += ["--setenv", key, value]
-    return args + ["--"] + list(command)
+    return args

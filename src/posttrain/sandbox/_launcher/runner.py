@@ -1,11 +1,10 @@
-"""One run in one jail: prepare the work dir, fork and exec bubblewrap, supervise, reap, collect, clean up.
+"""One run in one jail: prepare the work dir, spawn bubblewrap, supervise, reap, collect, clean up.
 
 The order matters and each step says why:
 1. a fresh tmpfs (size- and inode-capped) is mounted on the slot's mount point, private to the launcher's mount
    namespace, and the request's files are written into it;
-2. the launcher forks (the child is born in the slot's cgroups, which the launcher joined once); the child drops
-   to the slot's uid (never root), sets the rlimits and execs bubblewrap, which builds the jail; an exec that
-   never happens is reported over a close-on-exec pipe;
+2. the launcher spawns bubblewrap as the slot's uid (never root), born in the slot's cgroups (which the launcher
+   joined once), and sets its rlimits before bubblewrap may build the jail (`spawn`);
 3. the launcher reads stdout/stderr up to the output cap and enforces the wall-clock deadline from outside
    (SIGKILL to bubblewrap, whose PID namespace takes every descendant with it, setsid'd daemons included);
 4. every process is reaped (the launcher is their subreaper) and the cgroup is checked empty before the next run;
@@ -26,11 +25,11 @@ import stat
 import time
 
 import jail as jail_args
+import spawn
 import syscalls
 import wire
 from slot import Slot
 
-_EXEC_FAILED = 127
 _GRACE_S = 2.0  # how long output may keep flowing after bubblewrap exits before the cgroup is emptied by force
 
 
@@ -74,50 +73,6 @@ def _memfd(name: str, data: bytes) -> int:
         view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
-
-
-def _exec_jail(slot: Slot, argv: list[str], limits: dict, fds: dict[int, int], error_w: int, network: bool) -> None:
-    """In the forked child: put fds in place, drop privileges, set limits, exec bubblewrap. Never returns."""
-    report_fd = error_w
-    try:
-        if network:  # before the fd clean-up below closes the handle on the host's namespace
-            syscalls.setns(slot.host_netns_fd, syscalls.CLONE_NEWNET)
-        # first copy every source (and the error pipe) above the targets, so no dup2 clobbers one still needed
-        report_fd = os.dup(error_w)  # close-on-exec, like the original
-        high = {target: os.dup(source) for target, source in fds.items()}
-        for target, source in high.items():
-            os.dup2(source, target)  # dup2 makes the target inheritable
-        keep = max(fds) + 1
-        os.dup2(report_fd, keep, inheritable=False)
-        report_fd = keep
-        os.closerange(keep + 1, 65536)
-        for number in (signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(number, signal.SIG_DFL)  # Python ignores these, and exec would pass that on
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-        os.write(fd, b"500")  # the run, not the launcher, is the OOM killer's first choice
-        os.close(fd)
-        if slot.as_root:
-            os.setgroups([])
-            os.setresgid(slot.gid, slot.gid, slot.gid)
-            os.setresuid(slot.uid, slot.uid, slot.uid)
-        nproc = int(limits["processes"]) + 2  # bubblewrap's monitor and its init in the jail
-        cpu = max(1, int(limits["cpu_s"] + 0.999))
-        for which, value in (
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
-            (resource.RLIMIT_NPROC, (nproc, nproc)),
-            (resource.RLIMIT_NOFILE, (max(16, int(limits["open_files"])),) * 2),
-            (resource.RLIMIT_FSIZE, (int(limits["file_size_mb"]) << 20,) * 2),
-            (resource.RLIMIT_CORE, (0, 0)),
-        ):
-            resource.setrlimit(which, value)
-        if limits.get("address_space_mb"):
-            resource.setrlimit(resource.RLIMIT_AS, (int(limits["address_space_mb"]) << 20,) * 2)
-        os.execve(argv[0], argv, {})
-    except BaseException as error:  # noqa: BLE001 - anything here is an infrastructure failure
-        try:
-            os.write(report_fd, f"{type(error).__name__}: {error}".encode())
-        finally:
-            os._exit(_EXEC_FAILED)
 
 
 class _Supervision:
@@ -221,11 +176,11 @@ def _await_exit(pid: int, deadline_s: float) -> None:
     except OSError:
         return  # already gone (its parent, bubblewrap's monitor, reaped it)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:  # the pidfd pins the process this pid names now
-            parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
-        if parent == os.getpid():  # not a stranger that got the pid after the monitor reaped its init
+        # Only a child of ours is waited for: after the monitor reaped its init, the pid may name a stranger
+        # (ChildProcessError). None: ours, and still running.
+        if os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
             select.select([pidfd], [], [], deadline_s)
-    except (OSError, ValueError, IndexError):
+    except OSError:
         pass
     finally:
         os.close(pidfd)
@@ -357,11 +312,11 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
         staged = {path: slot.stage(path) for path in jail.get("ro_paths", ())}
     except OSError as error:
         return {"status": "infra_error", "error": f"could not expose a read-only path: {error}"}
-    argv = jail_args.bwrap_argv(slot.bwrap, root, request["argv"], limits, jail, request.get("env", {}),
-                                seccomp is not None, slot.root, staged)
+    options = jail_args.bwrap_options(root, limits, jail, request.get("env", {}), seccomp is not None, slot.root,
+                                      staged)
     if slot.cgroups is not None:
         slot.cgroups.set_limits(int(limits["memory_mb"]) << 20, int(limits["processes"]) + 2)
-    before = _Before(slot.cgroups.oom_kills() if slot.cgroups is not None else 0,
+    before = _Before(slot.cgroups.oom_kills(cached=True) if slot.cgroups is not None else 0,
                      resource.getrusage(resource.RUSAGE_CHILDREN))
     opened: list[int] = []  # every fd made for this run, closed here whatever happens
     try:
@@ -370,8 +325,7 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
-        error_r, error_w = os.pipe2(os.O_CLOEXEC)
-        opened += [out_r, out_w, err_r, err_w, info_r, info_w, error_r, error_w]
+        opened += [out_r, out_w, err_r, err_w, info_r, info_w]
         for fd in (out_r, err_r, info_r):
             os.set_blocking(fd, False)  # our ends only: the program's stdout/stderr stay blocking
         child_fds = {0: stdin_fd, 1: out_w, 2: err_w, jail_args.INFO_FD: info_w}
@@ -380,20 +334,16 @@ def _run_mounted(slot: Slot, request: dict, limits: dict, jail: dict, root: str,
             opened.append(child_fds[jail_args.SECCOMP_FD])
         marks["prepared"] = time.perf_counter()
         started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            _exec_jail(slot, argv, limits, child_fds, error_w, bool(jail.get("network")))
-        for fd in (*child_fds.values(), error_w):
+        try:
+            before.pid = spawn.spawn_bubblewrap(slot, options, request["argv"], child_fds, limits,
+                                                bool(jail.get("network")))
+        except OSError as error:
+            return {"status": "infra_error", "error": f"could not start bubblewrap: {error}"}
+        for fd in child_fds.values():
             os.close(fd)
             opened.remove(fd)
-        exec_error = b""
-        while True:  # EOF as soon as exec succeeded (close-on-exec), or the child's error message
-            chunk = os.read(error_r, 4096)
-            if not chunk:
-                break
-            exec_error += chunk
         marks["exec"] = time.perf_counter()
-        before.pid, before.started, before.exec_error = pid, started, exec_error
+        before.started = started
         return _supervise(slot, request, limits, root, control_fd, marks, before, out_r, err_r, info_r)
     finally:
         for fd in opened:
@@ -408,12 +358,11 @@ class _Before:
         self.usage = usage
         self.pid = 0
         self.started = 0.0
-        self.exec_error = b""
 
 
 def _supervise(slot: Slot, request: dict, limits: dict, root: str, control_fd: int, marks: dict, before: _Before,
                out_r: int, err_r: int, info_r: int) -> dict:
-    started, exec_error = before.started, before.exec_error
+    started = before.started
     sup = _Supervision(before.pid, out_r, err_r, info_r, control_fd, limits, float(request["timeout_s"]), slot.cgroups,
                        marks)
     sup.watch()
@@ -426,9 +375,7 @@ def _supervise(slot: Slot, request: dict, limits: dict, root: str, control_fd: i
     oom = slot.cgroups is not None and slot.cgroups.oom_kills() > before.oom_kills
     status, code, sig = _status(sup, oom, cpu_s, limits)
     error = ""
-    if exec_error:
-        status, error = "infra_error", "could not start bubblewrap: " + exec_error.decode(errors="replace")
-    elif not sup.info and sup.killed_for != "timeout":
+    if not sup.info and sup.killed_for != "timeout":
         # bubblewrap reports on the info fd once the jail is built; no report means the jail never started
         stderr = bytes(sup.streams[err_r]).decode(errors="replace").strip()
         status, error = "infra_error", f"bubblewrap could not build the jail: {stderr[-500:]}"

@@ -36,33 +36,66 @@ _RET_K = 0x06
 _RET_ALLOW = 0x7FFF0000
 _RET_ERRNO = 0x00050000
 _RET_KILL_PROCESS = 0x80000000
-
-
-def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
-    return struct.pack("=HBBI", code, jt, jf, k)
-
+_LEAF_SIZE = 3  # below this many numbers, compare one by one
 
 _NAMESPACE_CALLS = {"unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen",
                     "fsconfig", "fsmount", "fspick", "mount_setattr"}
 
 
+def _search(denied: list[int]) -> list[tuple]:
+    """A binary search over the sorted `denied` numbers, as instructions whose jump targets are still names
+    ("allow", "deny", or ("node", i)): a test on the midpoint sends larger numbers past the lower half's code,
+    so every jump goes forward, as classic BPF requires."""
+    if len(denied) <= _LEAF_SIZE:
+        tests = [(_JEQ_K, "deny", None, nr) for nr in denied]
+        tests[-1] = (_JEQ_K, "deny", "allow", denied[-1])  # the last miss is an allowed call
+        return tests
+    middle = len(denied) // 2
+    lower, upper = _search(denied[:middle]), _search(denied[middle:])
+    return [(_JGE_K, ("skip", len(lower)), None, denied[middle])] + lower + upper
+
+
+def _assemble(program: list[tuple]) -> bytes:
+    """Resolve the names of `_search`'s jumps into forward offsets; "allow" and "deny" are the last two returns."""
+    allow_at, deny_at = len(program), len(program) + 1
+    out = []
+    for index, (code, if_true, if_false, k) in enumerate(program):
+
+        def offset(target) -> int:
+            if target is None:
+                return 0  # fall through to the next instruction
+            if isinstance(target, tuple):  # ("skip", n): past the next n instructions
+                return target[1]
+            return (allow_at if target == "allow" else deny_at) - index - 1
+
+        out.append(_insn(code, offset(if_true), offset(if_false), k))
+    out.append(_insn(_RET_K, 0, 0, _RET_ALLOW))
+    out.append(_insn(_RET_K, 0, 0, _RET_ERRNO | _EPERM))
+    return b"".join(out)
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    if not (0 <= jt <= 255 and 0 <= jf <= 255):
+        raise ValueError("seccomp filter too long for classic BPF's 8-bit jumps")
+    return struct.pack("=HBBI", code, jt, jf, k)
+
+
 def build(allow_namespaces: bool = False) -> bytes | None:
     """The filter program, or None where we have no syscall table for this machine. With `allow_namespaces`
-    (for jails that may nest user namespaces) the namespace and mount calls are left to the kernel's checks."""
+    (for jails that may nest user namespaces) the namespace and mount calls are left to the kernel's checks.
+
+    The deny-list is searched in halves rather than compared number by number: the kernel emulates a new
+    filter once for every syscall number when it is loaded (to cache which calls it always allows), and
+    bubblewrap loads it twice per jail, so a chain of some 45 comparisons cost ~0.1 ms of CPU per run (perf);
+    the search takes at most 8 instructions per call instead of 50."""
     if os.uname().machine != "x86_64":
         return None
     denied = sorted(nr for name, nr in _DENIED_X86_64.items() if not (allow_namespaces and name in _NAMESPACE_CALLS))
     program = [
-        _insn(_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
-        _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),
-        _insn(_RET_K, 0, 0, _RET_KILL_PROCESS),  # a foreign ABI would bypass the numbers below
-        _insn(_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
-        _insn(_JGE_K, 0, 1, _X32_SYSCALL_BIT),
-        _insn(_RET_K, 0, 0, _RET_ERRNO | _EPERM),
+        (_LD_W_ABS, None, None, 4),  # seccomp_data.arch
+        (_JEQ_K, ("skip", 1), None, _AUDIT_ARCH_X86_64),
+        (_RET_K, None, None, _RET_KILL_PROCESS),  # a foreign ABI would bypass the numbers below
+        (_LD_W_ABS, None, None, 0),  # seccomp_data.nr
+        (_JGE_K, "deny", None, _X32_SYSCALL_BIT),  # x32 numbers: denied
     ]
-    for index, nr in enumerate(denied):
-        # jump to the shared "deny" return at the end, else fall through to the next test
-        program.append(_insn(_JEQ_K, len(denied) - index, 0, nr))
-    program.append(_insn(_RET_K, 0, 0, _RET_ALLOW))
-    program.append(_insn(_RET_K, 0, 0, _RET_ERRNO | _EPERM))
-    return b"".join(program)
+    return _assemble(program + _search(denied))

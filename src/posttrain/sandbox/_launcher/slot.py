@@ -96,6 +96,7 @@ class Slot:
         self.etc_dir = os.path.join(self.root, "etc")
         self.dev_dir = os.path.join(self.root, "dev")
         self.host_netns_fd = -1
+        self.own_netns_fd = -1
         self.workdir_mounted = False
 
     def enter_own_network_namespace(self) -> None:
@@ -103,6 +104,7 @@ class Slot:
         the launcher into a new one with only loopback, which its jails then share."""
         self.host_netns_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         syscalls.unshare(syscalls.CLONE_NEWNET)
+        self.own_netns_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as handle:
             flags = _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING
             fcntl.ioctl(handle.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags))
