@@ -225,6 +225,29 @@ def test_default_sandbox_uses_the_shared_pool():
     assert Sandbox().run(["echo", "shared"]).stdout == "shared\n"
 
 
+def test_local_pool_is_the_default_unless_the_default_runs_elsewhere():
+    from posttrain.sandbox import default_pool, local_pool, set_default_pool
+
+    class RemotePool:  # a pool whose runs would happen on another machine (Ray's sandbox workers)
+        runs = 0
+
+        def execute(self, request):
+            RemotePool.runs += 1
+            raise AssertionError("a run meant for this machine was sent away")
+
+    shared = default_pool()
+    assert local_pool() is shared  # a local default: no second pool
+    try:
+        set_default_pool(RemotePool())
+        here = local_pool()
+        assert isinstance(here, SandboxPool) and here is not shared and local_pool() is here
+        assert Sandbox(pool=here).run(["echo", "here"]).stdout == "here\n"
+        assert RemotePool.runs == 0
+    finally:
+        set_default_pool(shared)
+    assert local_pool() is shared
+
+
 # ---- the explicitly unsafe backend ---------------------------------------------------------------------
 
 

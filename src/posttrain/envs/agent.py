@@ -10,7 +10,7 @@ One episode (`AgentEnv.drive`, called by `posttrain.envs.rollout_episode`):
    binds a bounded number of them);
 2. the agent runs in a fresh jail (`posttrain.sandbox`: no network but a loopback of its own, read-only system)
    on this machine, beside its endpoint: in the sandbox's pool when it is local, else (Ray's sandbox workers run
-   the tools and verifiers elsewhere) in a bubblewrap pool of this process's own -- on Ray, the rollout worker's.
+   the tools and verifiers elsewhere) in `posttrain.sandbox.local_pool()` -- on Ray, the rollout worker's.
    Its work dir holds the task's files and ``task.json`` (the task's id, messages and tool names -- never the
    verifier's arguments); read-only inside: the endpoint directory (the socket and `_agent_jail.py`, the
    loopback proxy that starts the agent with ``OPENAI_BASE_URL``), the trainer's Python when the command says
@@ -49,7 +49,7 @@ from posttrain.envs.agent_http import UnixHTTPServer
 from posttrain.envs.base import Action, EnvError, Observation, StepResult, environment
 from posttrain.envs.sandboxing import default_sandbox
 from posttrain.envs.tokens import TranscriptTokens
-from posttrain.sandbox import JailOptions, Sandbox, SandboxPool, python_runtime_paths
+from posttrain.sandbox import JailOptions, Sandbox, SandboxPool, local_pool, python_runtime_paths
 from posttrain.types import Task
 
 PYTHON_PLACEHOLDER = "{python}"
@@ -110,26 +110,6 @@ class _EndpointDirs:
 _DIRS = _EndpointDirs()
 
 
-class _LocalPool:
-    """This process's own bubblewrap pool for agent jails, when the default pool sends runs elsewhere (made on
-    first use, re-made in a forked child; one slot per CPU, as the default pool)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: SandboxPool | None = None
-        self._owner = 0
-
-    def get(self) -> SandboxPool:
-        with self._lock:
-            if self._pool is None or self._owner != os.getpid():
-                self._pool, self._owner = SandboxPool(), os.getpid()
-                atexit.register(self._pool.close)
-            return self._pool
-
-
-_LOCAL_POOL = _LocalPool()
-
-
 @environment("agent")
 class AgentEnv:
     """The environment of a black-box agent program (see the module doc). It drives the policy itself, so
@@ -187,8 +167,8 @@ class AgentEnv:
     async def _run_jail(self, task: Task, directory: str, api_key: str, deadline: float) -> Any:
         box = self.sandbox if self.sandbox is not None else default_sandbox()
         # The endpoint's socket lives in this process: a jail on a remote sandbox worker (Ray's sandbox workers)
-        # could not reach it, so the agent runs in a pool of this process's own, beside its endpoint.
-        pool = box.pool if isinstance(box.pool, SandboxPool) else _LOCAL_POOL.get()
+        # could not reach it, so the agent runs in a pool on this machine, beside its endpoint.
+        pool = box.pool if isinstance(box.pool, SandboxPool) else local_pool()
         command, ro_paths = self._command()
         timeout_s = max(1.0, deadline - time.monotonic() - _START_MARGIN_S)
         limits = box.limits.replace(timeout_s=timeout_s, cpu_s=timeout_s, memory_mb=self.memory_mb,

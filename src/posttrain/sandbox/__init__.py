@@ -18,7 +18,7 @@ from posttrain.sandbox.limits import JailOptions, Limits, RunResult, RunStatus
 from posttrain.sandbox.pool import PoolStats, SandboxPool
 from posttrain.sandbox.preflight import find_bubblewrap
 from posttrain.sandbox.request import RunRequest, python_runtime_paths
-from posttrain.sandbox.sandbox import Sandbox, default_pool, set_default_pool
+from posttrain.sandbox.sandbox import Sandbox, default_pool, local_pool, set_default_pool
 from posttrain.sandbox.slots import UnsafeSandboxWarning
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "SandboxPool",
     "UnsafeSandboxWarning",
     "default_pool",
+    "local_pool",
     "set_default_pool",
     "find_bubblewrap",
     "python_runtime_paths",

@@ -5,7 +5,7 @@
     result = await sandbox.arun(["sh", "-c", "ls"], files={"a.txt": "hi"})
 
 Without a pool given, every `Sandbox` shares one default pool (a slot per CPU), created on first use and closed
-at exit. Nothing is retried here: an ``infra_error`` result is the caller's to retry and count.
+at exit; `local_pool()` is a pool guaranteed to run on this machine (the default one unless that was made remote). Nothing is retried here: an ``infra_error`` result is the caller's to retry and count.
 """
 
 from __future__ import annotations
@@ -13,38 +13,61 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from posttrain.sandbox.limits import JailOptions, Limits, RunResult
 from posttrain.sandbox.pool import SandboxPool
 from posttrain.sandbox.request import FileContent, RunRequest
 
-_default_pool: SandboxPool | None = None
-_default_owner: int | None = None  # the pid that made it: a forked child makes its own
-_default_lock = threading.Lock()
+# This process's pools: "default" (what a `Sandbox` without a pool uses; `set_default_pool` may make it remote)
+# and "local" (bubblewrap on this machine, when the default is not). Each is (pool, the pid that made it): a
+# forked child makes its own.
+_pools: dict[str, tuple[Any, int]] = {}
+_pools_lock = threading.Lock()
+
+
+def _own(kind: str) -> Any | None:
+    entry = _pools.get(kind)
+    return entry[0] if entry is not None and entry[1] == os.getpid() else None
+
+
+def _own_or_new(kind: str) -> Any:
+    pool = _own(kind)
+    if pool is None:
+        pool = SandboxPool()
+        _pools[kind] = (pool, os.getpid())
+    return pool
 
 
 def default_pool() -> SandboxPool:
     """The process-wide pool shared by every `Sandbox` built without one (re-created in a forked child)."""
-    global _default_pool, _default_owner
-    with _default_lock:
-        if _default_pool is None or _default_owner != os.getpid():
-            _default_pool, _default_owner = SandboxPool(), os.getpid()
-        return _default_pool
+    with _pools_lock:
+        return _own_or_new("default")
 
 
 def set_default_pool(pool: SandboxPool) -> None:
     """Make `pool` this process's default (e.g. a pool that sends runs to remote sandbox workers). Any
     object with the pool's `execute`/`aexecute` methods will do; the previous default is not closed."""
-    global _default_pool, _default_owner
-    with _default_lock:
-        _default_pool, _default_owner = pool, os.getpid()
+    with _pools_lock:
+        _pools["default"] = (pool, os.getpid())
+
+
+def local_pool() -> SandboxPool:
+    """A bubblewrap pool on this machine, for runs that must happen beside this process (a jail that reaches
+    a unix socket of the process, say): the default pool when it is a local `SandboxPool`, else -- the default
+    sends runs elsewhere (`set_default_pool`: Ray's sandbox workers) -- a pool of this process's own, made on
+    first use (a slot per CPU), re-made in a forked child and closed at exit."""
+    with _pools_lock:
+        default = _own_or_new("default")
+        return default if isinstance(default, SandboxPool) else _own_or_new("local")
 
 
 @atexit.register
-def _close_default_pool() -> None:
-    if _default_pool is not None and _default_owner == os.getpid() and hasattr(_default_pool, "close"):
-        _default_pool.close()
+def _close_pools() -> None:
+    for kind in ("local", "default"):
+        pool = _own(kind)
+        if pool is not None and hasattr(pool, "close"):
+            pool.close()
 
 
 class Sandbox:
