@@ -14,7 +14,7 @@ from test_envs_scripted import ScriptedEngine
 from test_envs_tools import needs_bwrap
 
 from posttrain.envs import EndpointLimits, RecordingEndpoint, as_policy, rollout_episode
-from posttrain.types import FailureClass, Reward, SamplingParams, Task
+from posttrain.types import FailureClass, Reward, SamplingParams, Task, Trajectory
 from posttrain.verify import register_verifier
 
 END = "<|end|>"
@@ -215,6 +215,16 @@ REWRITING_AGENT = textwrap.dedent('''
 ''')
 
 
+def _rewriting_episode(tmp_path, engine, tokenizer):
+    """One episode of `REWRITING_AGENT` on "What is 6*7?"."""
+    script = tmp_path / "rewriter.py"
+    script.write_text(REWRITING_AGENT)
+    task = Task(id="rewrite-1", domain="agent", messages=[{"role": "user", "content": "What is 6*7?"}],
+                verifier="exact", verifier_args={"answer": "42"}, env="agent",
+                env_args={"command": ["{python}", str(script)]}, timeout_s=600)
+    return _run(engine, task, tokenizer)
+
+
 def _policy_runs(trajectory) -> list[list[int]]:
     """The trajectory's policy tokens as runs of consecutive sampled ids (one per call)."""
     runs, previous = [], 0
@@ -248,12 +258,7 @@ def test_every_segment_of_an_agent_that_rewrites_its_history_is_trained_on(tmp_p
     from posttrain.envs import trajectory_segments
     from posttrain.rl.update import collate_trajectories
 
-    script = tmp_path / "rewriter.py"
-    script.write_text(REWRITING_AGENT)
-    task = Task(id="rewrite-1", domain="agent", messages=[{"role": "user", "content": "What is 6*7?"}],
-                verifier="exact", verifier_args={"answer": "42"}, env="agent",
-                env_args={"command": ["{python}", str(script)]}, timeout_s=600)
-    trajectory = _run(tiny_engine, task, tiny_tokenizer)
+    trajectory = _rewriting_episode(tmp_path, tiny_engine, tiny_tokenizer)
 
     report = trajectory.metadata["agent"]
     assert not trajectory.reward.is_infrastructure_failure, trajectory.reward
@@ -272,6 +277,65 @@ def test_every_segment_of_an_agent_that_rewrites_its_history_is_trained_on(tmp_p
     assert micro.targets.tolist() == [t for _, c in served for t in c.token_ids]
     assert micro.behaviour.tolist() == pytest.approx([lp for _, c in served for lp in c.logprobs], abs=0)
     assert set(micro.advantages.tolist()) == {0.75} and set(micro.seq_index.tolist()) == {0, 1}
+
+
+def _select(trajectory, step: int, max_staleness: int, stale: str = "drop"):
+    from posttrain.config import RLRecipe
+    from posttrain.rl.pipeline import select_trainable
+
+    recipe = RLRecipe.model_validate({"pipeline": {"max_staleness": max_staleness, "stale": stale}})
+    return select_trainable([trajectory], step, recipe)
+
+
+def test_an_agent_episode_is_as_stale_as_its_oldest_segment():
+    """Staleness is the episode's: a segment sampled before a weight update makes the whole episode that old,
+    though its own (last) sequence is fresh. Hand-built in the format `AgentEnv` reports (`earlier_segments`)."""
+    from posttrain.envs import oldest_policy_version
+
+    def segment(version: int) -> dict:
+        return {"token_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "behaviour_logprobs": [0.0, 0.0, -0.5, -0.25],
+                "policy_versions": [-1, -1, version, version], "prompt_length": 2, "calls": 1, "messages": []}
+
+    last = segment(6)
+    trajectory = Trajectory(
+        task_id="t", domain="agent", token_ids=last["token_ids"], loss_mask=last["loss_mask"],
+        behaviour_logprobs=last["behaviour_logprobs"], policy_versions=last["policy_versions"], prompt_length=2,
+        reward=Reward(1.0, True), steps=2, metadata={"agent": {"earlier_segments": [segment(3)]}})
+    assert trajectory.min_policy_version == 6 and oldest_policy_version(trajectory) == 3
+    assert _select(trajectory, step=7, max_staleness=1) == ([], {**_counts(), "stale_dropped": 1})
+    assert _select(trajectory, step=7, max_staleness=4) == ([trajectory], _counts())
+    assert _select(trajectory, step=7, max_staleness=1, stale="reweight") == ([trajectory],
+                                                                              {**_counts(), "stale_kept": 1})
+
+
+def _counts() -> dict[str, int]:
+    return {"episodes": 1, "infra_masked": 0, "filtered": 0, "stale_dropped": 0, "stale_kept": 0}
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_a_stale_earlier_segment_of_a_real_agent_episode_is_caught(tmp_path, tiny_tokenizer):
+    """The history-rewriting agent against a policy whose weights are updated after its first call (version 7,
+    then 9): the first segment is two versions older than the last, and the trainer's selection sees it."""
+    from posttrain.envs import oldest_policy_version, trajectory_segments
+
+    def policy_turn(prompt: str, turn: int) -> str:
+        if turn == 1:
+            engine.update_weights(None, 9)  # a weight update between the agent's first and second call
+        return f"draft {turn}{END}"
+
+    engine = ScriptedEngine(tiny_tokenizer, policy_turn, version=7)
+    trajectory = _rewriting_episode(tmp_path, engine, tiny_tokenizer)
+
+    assert not trajectory.reward.is_infrastructure_failure, trajectory.reward
+    assert trajectory.metadata["agent"]["segments"] == 2
+    assert [r.min_policy_version for r in trajectory_segments(trajectory)] == [7, 9]
+    assert trajectory.min_policy_version == 9 and oldest_policy_version(trajectory) == 7
+    # At step 10 with max_staleness 1 the last segment alone (10 - 9 = 1) would pass; the first (10 - 7) does not.
+    kept, counts = _select(trajectory, step=10, max_staleness=1)
+    assert kept == [] and counts["stale_dropped"] == 1
+    kept, counts = _select(trajectory, step=10, max_staleness=3)
+    assert kept == [trajectory] and counts["stale_dropped"] == 0
 
 
 class RemotePool:

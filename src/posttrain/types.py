@@ -244,6 +244,8 @@ class Trajectory:
 
     @property
     def min_policy_version(self) -> int:
+        """Of this token sequence only; an episode's staleness over all its segments (a black-box agent's earlier
+        ones): `posttrain.envs.oldest_policy_version`."""
         versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
         return min(versions) if versions else -1
 

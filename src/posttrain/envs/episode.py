@@ -450,6 +450,15 @@ def trajectory_segments(trajectory: Trajectory) -> list[Trajectory]:
     return pieces
 
 
+def oldest_policy_version(trajectory: Trajectory) -> int:
+    """The oldest policy version any token the episode sampled came from: every segment's (`trajectory_segments`),
+    not only the trajectory's own sequence, so an agent's earlier segment sampled before a weight update counts
+    in the episode's staleness. -1 when it sampled nothing (an infrastructure failure's tokens are masked)."""
+    versions = [version for segment in trajectory_segments(trajectory)
+                for version, sampled in zip(segment.policy_versions, segment.loss_mask) if sampled]
+    return min(versions) if versions else -1
+
+
 def _member_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if sampling.seed is None or index == 0:
         return sampling

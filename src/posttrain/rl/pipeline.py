@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from posttrain.config import DynamicSamplingConfig, RLRecipe
-from posttrain.envs import judging_wall_seconds
+from posttrain.envs import judging_wall_seconds, oldest_policy_version
 from posttrain.rl.learned import LEARNED_REWARD_KEY
 from posttrain.schedule import DROPPED_KEY, TaskSampler, group_outcome, is_dropped, is_kept, split_groups
 from posttrain.types import FailureClass, SamplingParams, Task, Trajectory
@@ -328,7 +328,8 @@ def select_trainable(trajectories: Sequence[Trajectory], step: int, recipe: RLRe
             continue
         if trajectory.policy_tokens == 0:
             continue
-        if step - trajectory.min_policy_version > recipe.pipeline.max_staleness:
+        # Every segment's versions: a black-box agent's earlier segment may be older than its last.
+        if step - oldest_policy_version(trajectory) > recipe.pipeline.max_staleness:
             if recipe.pipeline.stale == "drop":
                 counts["stale_dropped"] += 1
                 continue
@@ -387,7 +388,7 @@ def episode_record(trajectory: Trajectory, step: int) -> dict[str, Any]:
         "failure": trajectory.reward.failure.value,
         "details": trajectory.reward.details,
         "messages": trajectory.messages,
-        "policy_version": trajectory.min_policy_version,
+        "policy_version": oldest_policy_version(trajectory),
         "dropped": trajectory.metadata.get(DROPPED_KEY),  # why the group did not reach the trainer, if it did not
     }
     if LEARNED_REWARD_KEY in trajectory.metadata:
