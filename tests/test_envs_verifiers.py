@@ -88,10 +88,17 @@ BROKEN = TOOLS.replace('return 1.0 if trace.last_reply == self.data.answer else 
                        'raise RuntimeError("the judge service is down")').replace("ProductTaskset", "BrokenTaskset")
 
 
+# The progress rubric, slowed down: scoring a trace (or turn prefix) of k assistant turns sleeps DELAYS[k] seconds.
+SLOW = PROGRESS.replace("import verifiers.v1 as vf", "import asyncio\nimport verifiers.v1 as vf\n\nDELAYS = {}").replace(
+    "    async def correct(self, trace: vf.Trace) -> float:\n",
+    "    async def correct(self, trace: vf.Trace) -> float:\n"
+    "        await asyncio.sleep(DELAYS.get(trace.num_turns, 0.0))\n").replace("ProgressTaskset", "SlowTaskset")
+
+
 @pytest.fixture(autouse=True)
 def tasksets(tmp_path, monkeypatch):
     for name, source in {"vf_sum_tasks": SINGLE_TURN, "vf_product_tasks": TOOLS, "vf_broken_tasks": BROKEN,
-                         "vf_progress_tasks": PROGRESS}.items():
+                         "vf_progress_tasks": PROGRESS, "vf_slow_tasks": SLOW}.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -160,6 +167,38 @@ def test_turn_scores_give_the_rubrics_score_of_each_turns_prefix_as_the_process_
     trajectory, _ = run(plain, tiny_tokenizer, [call("multiply", a=a), call("multiply", a=a, b=b), f"{a * b}{END}"])
     assert trajectory.reward.components["process"] == pytest.approx(0.5)
     assert trajectory.reward.details["step_rewards"] == [0.0, 1.0, None]
+
+
+def test_each_turns_scoring_has_its_own_timeout(tiny_tokenizer):
+    """A slow turn does not spend the other scorings' time; a turn slower than its own limit is an infrastructure
+    failure (masked), never a 0."""
+    import time
+
+    domain = get_domain("verifiers", taskset="vf_slow_tasks", max_steps=4, turn_scores=True, score_timeout_s=2.0)
+    task = sample_tasks(domain, 1, level=1, seed=1)[0]
+    assert task.verifier_args["timeout_s"] == 2.0
+    a, b = (int(x) for x in task.prompt.removeprefix("What is ").rstrip("?").split("*"))
+    script = [call("multiply", a=a), call("multiply", a=a, b=b), f"{a * b}{END}"]
+    delays = __import__("vf_slow_tasks").DELAYS
+
+    # Four scorings (the whole trace, then turns 1, 2 and 3 -- the last prefix is the whole transcript again):
+    # 0.9 + 1.4 + 0 + 0.9 s, more than one 2 s budget together, each well within its own.
+    delays.update({1: 1.4, 3: 0.9})
+    started = time.monotonic()
+    trajectory, _ = run(task, tiny_tokenizer, script)
+    assert not trajectory.reward.is_infrastructure_failure, trajectory.reward.details
+    assert time.monotonic() - started >= 3.2  # the scorings together did take longer than one budget
+    assert trajectory.reward.passed and trajectory.reward.details["step_rewards"] == [0.0, 0.5, 1.5]
+
+    # Turn 2's scoring alone outlasts its 2 s: the episode is masked, its error names the turn.
+    delays.clear()
+    delays[2] = 30.0
+    started = time.monotonic()
+    trajectory, _ = run(task, tiny_tokenizer, script)
+    assert time.monotonic() - started < 20  # abandoned at its limit, not waited for
+    reward = trajectory.reward
+    assert reward.failure is FailureClass.INFRA and reward.is_infrastructure_failure
+    assert "turn 2's prefix took longer than 2 s" in reward.details["error"] and sum(trajectory.loss_mask) == 0
 
 
 def test_a_rubric_that_crashes_is_an_infrastructure_failure(tiny_tokenizer):

@@ -100,14 +100,15 @@ class VerifiersDomain:
     """The tasks of a prime-rl `verifiers` taskset (an installed taskset id, or a module exporting one `Taskset`),
     built with `config`; each draw is one of its tasks, judged by its own rewards (`posttrain.envs.verifiers_env`).
     One level; ``max_steps`` > 1 gives a task with toolsets room for tool calls; ``turn_scores: true`` has the
-    rubric score each turn's prefix too, the process component (`posttrain.verify.verifiers_rubric`)."""
+    rubric score each turn's prefix too, the process component (`posttrain.verify.verifiers_rubric`);
+    ``score_timeout_s`` bounds each scoring (the whole trace's, each turn prefix's) on its own."""
 
     name = "verifiers"
     max_level = 1
 
     def __init__(self, taskset: str, config: dict[str, Any] | None = None, max_steps: int = 1,
                  timeout_s: float = 60.0, tool_timeout_s: float = 30.0, pass_threshold: float | None = None,
-                 max_tasks: int = 100_000, turn_scores: bool = False):
+                 max_tasks: int = 100_000, turn_scores: bool = False, score_timeout_s: float = 60.0):
         from posttrain.verify import VerifyError, verifiers_tasks
 
         if max_steps < 1:
@@ -120,6 +121,7 @@ class VerifiersDomain:
         self.source = Path(taskset).stem if is_file_ref(taskset) else taskset
         self.max_steps, self.timeout_s, self.tool_timeout_s = max_steps, timeout_s, tool_timeout_s
         self.pass_threshold, self.turn_scores = pass_threshold, bool(turn_scores)
+        self.score_timeout_s = float(score_timeout_s)
 
     def make_task(self, rng: random.Random, level: int) -> Task:
         index = rng.randrange(len(self.tasks))
@@ -128,7 +130,8 @@ class VerifiersDomain:
         where = {"taskset": self.taskset, "index": index, "config": self.config, "max_tasks": self.max_tasks}
         return Task(id=task_id(self.name, key), domain=self.name, messages=vf_task_messages(vf_task),
                     verifier="verifiers", verifier_args={**where, "pass_threshold": self.pass_threshold,
-                                                          "turn_scores": self.turn_scores},
+                                                          "turn_scores": self.turn_scores,
+                                                          "timeout_s": self.score_timeout_s},
                     env="verifiers", env_args={**where, "tool_timeout_s": self.tool_timeout_s},
                     max_steps=self.max_steps, timeout_s=self.timeout_s,
                     metadata={"problem_key": key, "verifiers_index": index})

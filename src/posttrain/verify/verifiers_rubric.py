@@ -9,8 +9,8 @@ tool calls paired to their results -- and the task's own `Task.score` runs its `
 metrics, and plugged judges) offline, with no runtime. Each named reward becomes a component of the `Reward`
 (its raw value; the weights are in ``details["weights"]``, the metrics in ``details["metrics"]``); the score is the
 weighted sum (`Trace.reward`), and ``passed`` is ``score >= pass_threshold`` (default: the sum of the weights,
-every reward at 1). A reward function that raises, or scoring that exceeds ``timeout_s``, is an infrastructure
-failure: retried, never a 0.
+every reward at 1). A reward function that raises, or a scoring that exceeds ``timeout_s``, is an infrastructure
+failure: masked and retried, never a 0.
 
 **Per-turn scores** (``turn_scores: true``, a process signal from a rubric that scores whole traces): the rubric
 also scores each turn's prefix -- the transcript up to that assistant turn and the observations it caused (its
@@ -18,7 +18,10 @@ tool results), before the next assistant turn -- so turn k's score is what the r
 stopped after it. The scores are ``details["step_rewards"]`` and their mean is ``components["process"]``, which
 the RL return weighs by ``returns.process_weight``; the score stays the whole trace's. A rubric that rewards
 partial progress (a tool call that returned the right value) then credits the turn that made it. Costs one
-scoring per assistant turn.
+scoring per assistant turn, and each scoring -- the whole trace's and every turn prefix's -- has its own
+``timeout_s``: a slow turn does not spend the others' time (the judging of an episode may take up to
+(turns + 1) x ``timeout_s``), and a turn whose own scoring exceeds it makes the episode an infrastructure failure
+(its error names the turn), like the whole trace's.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def verify_verifiers(completion: str, *, taskset: str, index: int, config: dict[
                      max_tasks: int = 100_000, pass_threshold: float | None = None, timeout_s: float = 60.0,
                      turn_scores: bool = False, final_state: dict[str, Any] | None = None) -> Reward:
     """The episode's transcript judged by task `index` of `taskset`'s own rewards (and, with `turn_scores`, each
-    turn's prefix: the process component)."""
+    turn's prefix: the process component); `timeout_s` bounds each of those scorings on its own."""
     vf_task = verifiers_tasks(taskset, config, max_tasks)[index]
     messages = list((final_state or {}).get("messages") or [])
     if not messages:
@@ -125,7 +128,7 @@ def verify_verifiers(completion: str, *, taskset: str, index: int, config: dict[
     trace = to_trace(vf_task, messages)
     prefixes = [to_trace(vf_task, prefix) for prefix in turn_prefixes(messages)] if turn_scores else []
     try:
-        asyncio.run(asyncio.wait_for(_score_all(vf_task, [trace, *prefixes]), timeout_s))
+        asyncio.run(_score_each(vf_task, [trace, *prefixes], timeout_s))
     except Exception as error:  # noqa: BLE001 - the environment's rubric failed: the system's failure
         return Reward(score=0.0, passed=False, failure=FailureClass.INFRA,
                       details={"error": f"verifiers scoring: {type(error).__name__}: {error}"[:2000]})
@@ -150,6 +153,11 @@ def turn_prefixes(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [messages[:end] for end in [*turns[1:], len(messages)]]
 
 
-async def _score_all(vf_task: Any, traces: list[Any]) -> None:
-    for trace in traces:  # in order: a rubric may keep state between calls
-        await vf_task.score(trace)
+async def _score_each(vf_task: Any, traces: list[Any], timeout_s: float) -> None:
+    """Score the whole trace, then each turn's prefix, each under its own `timeout_s`."""
+    for number, trace in enumerate(traces):  # in order: a rubric may keep state between calls
+        try:
+            await asyncio.wait_for(vf_task.score(trace), timeout_s)
+        except asyncio.TimeoutError:
+            what = f"turn {number}'s prefix" if number else "the whole trace"
+            raise TimeoutError(f"scoring {what} took longer than {timeout_s:g} s") from None
