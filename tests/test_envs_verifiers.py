@@ -89,7 +89,8 @@ BROKEN = TOOLS.replace('return 1.0 if trace.last_reply == self.data.answer else 
 
 
 # The progress rubric, slowed down: scoring a trace (or turn prefix) of k assistant turns sleeps DELAYS[k] seconds.
-SLOW = PROGRESS.replace("import verifiers.v1 as vf", "import asyncio\nimport verifiers.v1 as vf\n\nDELAYS = {}").replace(
+SLOW = PROGRESS.replace("import verifiers.v1 as vf",
+                        "import asyncio\nimport verifiers.v1 as vf\n\nDELAYS = {}").replace(
     "    async def correct(self, trace: vf.Trace) -> float:\n",
     "    async def correct(self, trace: vf.Trace) -> float:\n"
     "        await asyncio.sleep(DELAYS.get(trace.num_turns, 0.0))\n").replace("ProgressTaskset", "SlowTaskset")

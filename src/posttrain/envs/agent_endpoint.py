@@ -27,7 +27,6 @@ refused with a 400 naming the field. Past a limit (calls, completion tokens, con
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import time
@@ -38,7 +37,8 @@ from typing import Any
 from posttrain.envs.agent_http import error_body, json_body
 from posttrain.envs.base import EnvError
 from posttrain.envs.parsing import get_parser
-from posttrain.envs.tokens import TranscriptTokens
+from posttrain.envs.policy import turn_sampling
+from posttrain.envs.tokens import TranscriptTokens, strip_eos
 from posttrain.types import Completion, GenerationRequest, Message, SamplingParams
 
 MODEL_NAME = "policy"
@@ -145,9 +145,7 @@ class RecordingEndpoint:
             if room <= 0:
                 raise self._limit("context", f"the prompt ({len(prompt)} tokens) fills the context")
             max_new = min(self.sampling.max_new_tokens, budget, room, cap or budget)
-            sampling = dataclasses.replace(
-                self.sampling, n=1, max_new_tokens=max_new,
-                seed=None if self.sampling.seed is None else self.sampling.seed + 100_003 * len(self.calls))
+            sampling = turn_sampling(self.sampling, len(self.calls), max_new)
             try:
                 completions = await self.policy.generate(
                     GenerationRequest(prompt_token_ids=prompt, request_id=f"agent:{len(self.calls)}"), sampling)
@@ -155,7 +153,7 @@ class RecordingEndpoint:
             except Exception as error:  # noqa: BLE001 - the system's failure, never the model's
                 self.engine_error = f"{type(error).__name__}: {error}"
                 raise _Refusal(500, f"the policy failed: {self.engine_error}") from None
-            text = _strip_eos(completion.text, self.tokenizer)
+            text = strip_eos(completion.text, self.tokenizer)
             content, calls = self._tool_calls(text) if tools else (text, [])
             recorded: Message = {"role": "assistant", "content": content}
             if calls:
@@ -279,11 +277,6 @@ def _key(message: Message) -> str:
 
 def _same_tools(recorded: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None) -> bool:
     return json.dumps(recorded or None, sort_keys=True) == json.dumps(tools or None, sort_keys=True)
-
-
-def _strip_eos(text: str, tokenizer: Any) -> str:
-    eos = getattr(tokenizer, "eos_token", None)
-    return text[: -len(eos)] if eos and text.endswith(eos) else text
 
 
 def _as_stream(response: dict[str, Any]) -> bytes:

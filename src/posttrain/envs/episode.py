@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine, Iterable, Sequence
 
 from posttrain.envs.base import Action, ToolInfraError, make_environment
-from posttrain.envs.policy import as_policy
-from posttrain.envs.tokens import TranscriptTokens
+from posttrain.envs.policy import as_policy, turn_sampling
+from posttrain.envs.tokens import TranscriptTokens, strip_eos
 from posttrain.types import FailureClass, GenerationRequest, Reward, SamplingParams, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -246,18 +246,15 @@ async def _loop(policy, env, task, tokens, sampling, episode, context_limit):
         if room <= 0:
             episode.truncated = True
             return
-        turn_sampling = dataclasses.replace(
-            sampling, n=1, max_new_tokens=min(sampling.max_new_tokens, room),
-            seed=None if sampling.seed is None else sampling.seed + 100_003 * turn,
-        )
         request = GenerationRequest(prompt_token_ids=list(tokens.token_ids), request_id=f"{task.id}:{turn}")
         if time.monotonic() >= episode.deadline:
             episode.timed_out = True
             return
-        completion = await _generation(policy, request, turn_sampling, episode)
+        cap = min(sampling.max_new_tokens, room)
+        completion = await _generation(policy, request, turn_sampling(sampling, turn, cap), episode)
         episode.steps += 1
         episode.finish_reasons.append(completion.finish_reason)
-        text = _strip_end_of_turn(completion.text, tokens.tokenizer)
+        text = strip_eos(completion.text, tokens.tokenizer)
         action = Action(text=text, finish_reason=completion.finish_reason)
         result = await _bounded(env.step(action), episode)
         if result is None:
@@ -470,10 +467,3 @@ def _context_limit(max_context_tokens: int | None, tokenizer: Any) -> int | None
         return int(max_context_tokens)
     limit = getattr(tokenizer, "model_max_length", None)
     return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None
-
-
-def _strip_end_of_turn(text: str, tokenizer: Any) -> str:
-    eos = getattr(tokenizer, "eos_token", None)
-    if eos and text.endswith(eos):
-        text = text[: -len(eos)]
-    return text

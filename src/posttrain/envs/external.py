@@ -4,6 +4,7 @@
   limit; a timeout or an exception is a `ToolInfraError` with failure ``infra``, so the episode is masked and
   retried, never scored as the model's 0. (A step that hangs in a worker thread cannot be killed; it is abandoned
   and the episode moves on.)
+* `episode_outcome`: the episode's score and verdict from its step rewards, as the recipe's ``outcome`` asks.
 * `env_reward`: the final-state entry the ``environment`` verifier (`posttrain.verify.verify_environment`) turns
   into the `Reward`, components kept.
 * `observation_text`: the text the policy reads from an observation.
@@ -29,6 +30,18 @@ async def guarded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
         raise
     except Exception as error:  # the environment's own crash: the system's failure, not the model's
         raise ToolInfraError(f"{what} failed: {type(error).__name__}: {error}", failure="infra") from error
+
+
+def episode_outcome(rewards: list[float], kind: str, success: bool | None, pass_threshold: float
+                    ) -> tuple[float, bool]:
+    """The episode's (score, passed): the score is the return (`kind` ``return``: the sum of the step rewards),
+    the last step's reward (``final``) or the env's reported success as 1/0 (``success``); passed is that
+    success when the env reported one, else ``score >= pass_threshold``."""
+    if kind == "success":
+        score = float(bool(success))
+    else:
+        score = sum(rewards) if kind == "return" else (rewards[-1] if rewards else 0.0)
+    return score, success if success is not None else score >= pass_threshold
 
 
 def env_reward(score: float, passed: bool | None = None, components: dict[str, float] | None = None,

@@ -26,7 +26,7 @@ import asyncio
 from typing import Any
 
 from posttrain.envs.base import Action, EnvError, Observation, StepResult, environment
-from posttrain.envs.external import env_reward, guarded, observation_text
+from posttrain.envs.external import env_reward, episode_outcome, guarded, observation_text
 from posttrain.types import Task
 
 
@@ -105,11 +105,7 @@ class GymTextEnv:
     def final_state(self) -> dict[str, Any]:
         if self.env is not None:
             self.env.close()
-        if self.outcome == "success":
-            score = float(bool(self.success))
-        else:
-            score = sum(self.rewards) if self.outcome == "return" else (self.rewards[-1] if self.rewards else 0.0)
-        passed = self.success if self.success is not None else score >= self.pass_threshold
+        score, passed = episode_outcome(self.rewards, self.outcome, self.success, self.pass_threshold)
         details: dict[str, Any] = {"env_id": self.env_id, "env_steps": len(self.rewards)}
         if self.invalid_action is not None:
             details["invalid_action"] = self.invalid_action[:200]

@@ -20,7 +20,7 @@ import asyncio
 from typing import Any
 
 from posttrain.envs.base import Action, EnvError, Observation, StepResult, environment
-from posttrain.envs.external import env_reward, guarded, observation_text
+from posttrain.envs.external import env_reward, episode_outcome, guarded, observation_text
 from posttrain.types import Task
 
 
@@ -93,8 +93,7 @@ class OpenEnvEnv:
     def final_state(self) -> dict[str, Any]:
         if self.client is not None:  # ended by the task's step limit: close the session without waiting
             asyncio.get_running_loop().create_task(self._close())
-        score = sum(self.rewards) if self.outcome == "return" else (self.rewards[-1] if self.rewards else 0.0)
-        passed = self.success if self.success is not None else score >= self.pass_threshold
+        score, passed = episode_outcome(self.rewards, self.outcome, self.success, self.pass_threshold)
         return {"answer": self.answer, "env_reward": env_reward(score, passed, {"env_return": sum(self.rewards)},
                                                                 {"server": self.base_url,
                                                                  "env_steps": len(self.rewards)})}

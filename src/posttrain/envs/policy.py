@@ -91,6 +91,14 @@ class SyncEnginePolicy:
         return sampling.batch_key(ignore_seed=self._seeded)
 
 
+def turn_sampling(sampling: SamplingParams, turn: int, max_new_tokens: int) -> SamplingParams:
+    """One policy turn's sampling: one completion of at most `max_new_tokens`, and, when seeded, the seed
+    ``seed + 100003 x turn``, so an episode's turns differ and a seeded episode repeats (the episode loop's turns and
+    a black-box agent's calls alike)."""
+    return dataclasses.replace(sampling, n=1, max_new_tokens=max_new_tokens,
+                               seed=None if sampling.seed is None else sampling.seed + 100_003 * turn)
+
+
 def as_policy(policy: Any) -> AsyncPolicy:
     """`policy` itself if its ``generate`` is async, else a `SyncEnginePolicy` around it."""
     generate = getattr(policy, "generate", None)

@@ -37,6 +37,13 @@ _prompt_caches: weakref.WeakKeyDictionary[Any, tuple[Any, OrderedDict[str, tuple
 _prompt_lock = threading.Lock()
 
 
+def strip_eos(text: str, tokenizer: Any) -> str:
+    """A completion's text without the tokenizer's eos at its end (what the env, or an agent, reads of a turn;
+    the ids keep it)."""
+    eos = getattr(tokenizer, "eos_token", None)
+    return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
 class TranscriptTokens:
     def __init__(self, tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None,
                  template_kwargs: dict[str, Any] | None = None):

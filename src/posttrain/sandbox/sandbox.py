@@ -5,7 +5,8 @@
     result = await sandbox.arun(["sh", "-c", "ls"], files={"a.txt": "hi"})
 
 Without a pool given, every `Sandbox` shares one default pool (a slot per CPU), created on first use and closed
-at exit; `local_pool()` is a pool guaranteed to run on this machine (the default one unless that was made remote). Nothing is retried here: an ``infra_error`` result is the caller's to retry and count.
+at exit; `local_pool()` is a pool that surely runs on this machine (the default one, unless that was made remote).
+Nothing is retried here: an ``infra_error`` result is the caller's to retry and count.
 """
 
 from __future__ import annotations
