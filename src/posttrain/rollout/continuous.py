@@ -125,6 +125,23 @@ class StreamRequest:
     def done(self) -> bool:
         return self.error is not None or self.cancelled or all(c is not None for c in self.completions)
 
+    @property
+    def finished(self) -> bool:
+        """Done, and every event taken (`drain`)."""
+        return self.done and not self._events
+
+    def deliver(self, events: list[SequenceEvent], error: Exception | None = None) -> None:
+        """Hand the request new events (the loop's side, or whatever relays the loop's events: the first one stamps
+        `first_token_s`, a sequence's last one records its completion) and, when it failed, the error."""
+        if events and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        for event in events:
+            if event.completion is not None:
+                self.completions[event.index] = event.completion
+        self._events.extend(events)
+        if error is not None:
+            self.error = error
+
     def drain(self) -> list[SequenceEvent]:
         events = []
         while self._events:
@@ -276,16 +293,11 @@ class ContinuousBatcher:
         if not self._rows:
             return []
         tokens, logprobs, tops = self._sample(self._logits)
-        updated: dict[int, StreamRequest] = {}
+        produced: dict[int, tuple[StreamRequest, list[SequenceEvent]]] = {}
         for row, token, logprob, top in zip(self._rows, tokens, logprobs, tops):
-            event = row.record(token, logprob, top)
-            request = row.request
-            if request.first_token_s is None:
-                request.first_token_s = time.monotonic()
-            if event.completion is not None:
-                request.completions[row.index] = event.completion
-            request._events.append(event)
-            updated[id(request)] = request
+            produced.setdefault(id(row.request), (row.request, []))[1].append(row.record(token, logprob, top))
+        for request, events in produced.values():
+            request.deliver(events)
         self.steps += 1
         self.completion_tokens += len(tokens)
         alive = [position for position, row in enumerate(self._rows) if row.reason is None]
@@ -296,7 +308,7 @@ class ContinuousBatcher:
         if self._rows:
             self._reserve()
             self._logits = self._runner.decode(sampled)
-        return list(updated.values())
+        return [request for request, _ in produced.values()]
 
     # ---- rows joining and leaving -------------------------------------------------------------------
 

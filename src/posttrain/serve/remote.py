@@ -23,13 +23,12 @@ import asyncio
 import logging
 import multiprocessing
 import threading
-import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest, check_request, check_room
-from posttrain.serve.backends import Disconnected, _follow, _Signals
+from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest, check_request
+from posttrain.serve.backends import Disconnected, _Signals, check_prompt_room, stream_events
 from posttrain.serve.errors import APIError, ServeError
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ class RemoteBackend:
                     request = self._live.get(key)
                     if request is None:
                         continue
-                    self._deliver(request, events, error)
+                    request.deliver(events, None if error is None else RolloutError(error))
                     updated.append(request)
                     if request.done:
                         self._forget(key)
@@ -144,23 +143,8 @@ class RemoteBackend:
             self._signals.notify(list(self._live.values()))
             self.engine_gone.set()
 
-    @staticmethod
-    def _deliver(request: StreamRequest, events: list[SequenceEvent], error: str | None) -> None:
-        if events and request.first_token_s is None:
-            request.first_token_s = time.monotonic()
-        for event in events:
-            if event.completion is not None:
-                request.completions[event.index] = event.completion
-        request._events.extend(events)
-        if error is not None:
-            request.error = RolloutError(error)
-
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        try:
-            check_room(prompt, max_new_tokens, self.vocab_size, self.max_length)
-        except RolloutError as error:
-            raise APIError(400, str(error), param="messages", code="context_length_exceeded"
-                           if "context" in str(error) else None) from None
+        check_prompt_room(prompt, max_new_tokens, self.vocab_size, self.max_length)
 
     def cancel(self, request: StreamRequest) -> None:
         request.cancelled = True
@@ -180,24 +164,24 @@ class RemoteBackend:
         except (BrokenPipeError, OSError):
             raise APIError(503, "the engine process is gone", type="server_error") from None
 
+    def _submit(self, request: StreamRequest) -> None:
+        """Checked here by the batcher's own rules (`check_request`), then sent to the engine's process."""
+        check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_length,
+                      self.max_batch_size)
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._live[key], self._keys[id(request)] = request, key
+        self._send(("submit", key, request.prompt_token_ids, request.sampling, request.top_logprobs,
+                    request.ignore_eos, request.request_id))
+
     async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
                      ) -> AsyncIterator[list[SequenceEvent]]:
         try:
-            check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_length,
-                          self.max_batch_size)
-        except RolloutError as error:
-            raise APIError(400, str(error)) from None
-        signal = self._signals.open(request)
-        key, self._next_key = self._next_key, self._next_key + 1
-        self._live[key], self._keys[id(request)] = request, key
-        try:
-            self._send(("submit", key, request.prompt_token_ids, request.sampling, request.top_logprobs,
-                        request.ignore_eos, request.request_id))
-            async for batch in _follow(request, signal, self.cancel, disconnected):
+            async for batch in stream_events(self._signals, request, self._submit, self.cancel, disconnected):
                 yield batch
         finally:
-            self._signals.close(request)
-            self._forget(key)
+            key = self._keys.get(id(request))
+            if key is not None:
+                self._forget(key)
 
 
 def _http_main(requests: Connection, events: Connection, tokenizer: Any, limits: dict[str, Any],
