@@ -237,12 +237,26 @@ class ContinuousBatcher:
 
     def submit(self, request: StreamRequest) -> StreamRequest:
         """Queue `request` (validated now: a RolloutError names what is wrong); it joins at the next step."""
-        check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size, self.engine.max_length,
-                      self.max_batch_size)
-        with self._wake:
-            self._waiting.append(request)
-            self._wake.notify()
+        for _, error in self.submit_many([request]):
+            raise error
         return request
+
+    def submit_many(self, requests: list[StreamRequest]) -> list[tuple[StreamRequest, RolloutError]]:
+        """Queue `requests` at once, so that they are admitted at the same step (one prefill, not one per
+        request as the loop would take them when they came one by one); returns the refused ones, with why."""
+        accepted, refused = [], []
+        for request in requests:
+            try:
+                check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size,
+                              self.engine.max_length, self.max_batch_size)
+                accepted.append(request)
+            except RolloutError as error:
+                refused.append((request, error))
+        if accepted:
+            with self._wake:
+                self._waiting.extend(accepted)
+                self._wake.notify()
+        return refused
 
     def cancel(self, request: StreamRequest) -> None:
         """Stop `request`: its rows leave the batch at the next step."""
