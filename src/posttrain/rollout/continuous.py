@@ -1,7 +1,7 @@
 """`ContinuousBatcher`: requests join and leave a running batch at every decode step (for serving).
 
 `HFEngine.generate` runs a fixed batch to the end; a server cannot wait for that. Here every request is
-submitted on its own (any thread), and the loop (`run`, or `step` called by hand) does, per decode step:
+submitted on its own (any thread; `submit_many` queues several at once, so they start at the same step), and the loop (`run`, or `step` called by hand) does, per decode step:
 
 1. drops the rows of cancelled requests (a client that went away frees its slot at once);
 2. admits waiting requests while there is room (``max_batch_size`` rows): their prompts are prefilled and
