@@ -159,3 +159,21 @@ def test_arrivals_join_a_running_batch_of_every_generic_family(tiny_tokenizer, p
         for got, want in zip(request.completions, _alone(engine, request), strict=True):
             assert got.token_ids == want.token_ids, family
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_requests_submitted_together_start_together_and_a_bad_one_is_refused_alone(tiny_tokenizer, prompts):
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    batcher = ContinuousBatcher(engine)
+    requests = [r for r in _requests(prompts) if r.sampling.n == 1][:5]  # one group size: one prefill
+    bad = StreamRequest([engine.vocab_size + 1], SamplingParams(max_new_tokens=4))
+    refused = batcher.submit_many([*requests[:2], bad, *requests[2:]])
+    assert [r for r, _ in refused] == [bad] and "token ids" in str(refused[0][1])
+    batcher.step()
+    assert batcher.running == len(requests) and batcher.joins == 0
+    while batcher.step():
+        pass
+    for request in requests:
+        for got, want in zip(request.completions, _alone(engine, request), strict=True):
+            assert got.token_ids == want.token_ids
+    with pytest.raises(RolloutError, match="token ids"):
+        batcher.submit(bad)

@@ -364,6 +364,22 @@ def test_the_http_side_in_a_process_of_its_own_serves_the_same(server):
         assert code == 200 and "posttrain_time_to_first_token_seconds_count" in text
 
 
+
+def test_a_backend_without_a_batcher_serves_on_a_thread_the_same(server):
+    """`VLLMBackend` (what speculative decoding serves through; the HF engine stands in for vLLM): asked for the
+    process layout it has no batcher for, it runs on a thread; its whole-call results reach the streams and
+    replies as the batcher's steps do, and a prompt past the context is the same 400."""
+    from posttrain.serve import VLLMBackend
+
+    engine = server.backend.batcher.engine
+    with start_server(VLLMBackend(engine, engine.max_length, engine.vocab_size), MODEL, http_process=True) as other:
+        client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompts = [_user(f"Question {i}: what is {i} plus {2 * i}?") for i in range(4)] + [_user("Say hello.")]
+        assert _ask_all(other.url, prompts) == [_alone(server, messages, 16) for messages in prompts]
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=100_000)
+
+
 # ---- the command ------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """`ContinuousBatcher`: requests join and leave a running batch at every decode step (for serving).
 
 `HFEngine.generate` runs a fixed batch to the end; a server cannot wait for that. Here every request is
-submitted on its own (any thread), and the loop (`run`, or `step` called by hand) does, per decode step:
+submitted on its own (any thread; `submit_many` queues several at once, so they start at the same step), and the loop (`run`, or `step` called by hand) does, per decode step:
 
 1. drops the rows of cancelled requests (a client that went away frees its slot at once);
 2. admits waiting requests while there is room (``max_batch_size`` rows): their prompts are prefilled and
@@ -125,6 +125,23 @@ class StreamRequest:
     def done(self) -> bool:
         return self.error is not None or self.cancelled or all(c is not None for c in self.completions)
 
+    @property
+    def finished(self) -> bool:
+        """Done, and every event taken (`drain`)."""
+        return self.done and not self._events
+
+    def deliver(self, events: list[SequenceEvent], error: Exception | None = None) -> None:
+        """Hand the request new events (the loop's side, or whatever relays the loop's events: the first one stamps
+        `first_token_s`, a sequence's last one records its completion) and, when it failed, the error."""
+        if events and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        for event in events:
+            if event.completion is not None:
+                self.completions[event.index] = event.completion
+        self._events.extend(events)
+        if error is not None:
+            self.error = error
+
     def drain(self) -> list[SequenceEvent]:
         events = []
         while self._events:
@@ -220,12 +237,26 @@ class ContinuousBatcher:
 
     def submit(self, request: StreamRequest) -> StreamRequest:
         """Queue `request` (validated now: a RolloutError names what is wrong); it joins at the next step."""
-        check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size, self.engine.max_length,
-                      self.max_batch_size)
-        with self._wake:
-            self._waiting.append(request)
-            self._wake.notify()
+        for _, error in self.submit_many([request]):
+            raise error
         return request
+
+    def submit_many(self, requests: list[StreamRequest]) -> list[tuple[StreamRequest, RolloutError]]:
+        """Queue `requests` at once, so that they are admitted at the same step (one prefill, not one per
+        request as the loop would take them when they came one by one); returns the refused ones, with why."""
+        accepted, refused = [], []
+        for request in requests:
+            try:
+                check_request(request.prompt_token_ids, request.sampling, self.engine.vocab_size,
+                              self.engine.max_length, self.max_batch_size)
+                accepted.append(request)
+            except RolloutError as error:
+                refused.append((request, error))
+        if accepted:
+            with self._wake:
+                self._waiting.extend(accepted)
+                self._wake.notify()
+        return refused
 
     def cancel(self, request: StreamRequest) -> None:
         """Stop `request`: its rows leave the batch at the next step."""
@@ -276,16 +307,11 @@ class ContinuousBatcher:
         if not self._rows:
             return []
         tokens, logprobs, tops = self._sample(self._logits)
-        updated: dict[int, StreamRequest] = {}
+        produced: dict[int, tuple[StreamRequest, list[SequenceEvent]]] = {}
         for row, token, logprob, top in zip(self._rows, tokens, logprobs, tops):
-            event = row.record(token, logprob, top)
-            request = row.request
-            if request.first_token_s is None:
-                request.first_token_s = time.monotonic()
-            if event.completion is not None:
-                request.completions[row.index] = event.completion
-            request._events.append(event)
-            updated[id(request)] = request
+            produced.setdefault(id(row.request), (row.request, []))[1].append(row.record(token, logprob, top))
+        for request, events in produced.values():
+            request.deliver(events)
         self.steps += 1
         self.completion_tokens += len(tokens)
         alive = [position for position, row in enumerate(self._rows) if row.reason is None]
@@ -296,7 +322,7 @@ class ContinuousBatcher:
         if self._rows:
             self._reserve()
             self._logits = self._runner.decode(sampled)
-        return list(updated.values())
+        return [request for request, _ in produced.values()]
 
     # ---- rows joining and leaving -------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest
+from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest, check_room
 from posttrain.serve.errors import APIError
 from posttrain.types import GenerationRequest
 
@@ -126,12 +126,38 @@ async def _follow(request: StreamRequest, signal: asyncio.Event, cancel: Callabl
                 raise APIError(500, str(request.error), type="server_error")
             if batch:
                 yield batch
-            if request.done and not request._events:
+            if request.finished:
                 finished = True
                 return
     finally:
         if not finished:
             cancel(request)
+
+
+async def stream_events(signals: _Signals, request: StreamRequest, submit: Callable[[StreamRequest], None],
+                        cancel: Callable[[StreamRequest], None], disconnected: Disconnected | None
+                        ) -> AsyncIterator[list[SequenceEvent]]:
+    """Every backend's `events`: a signal for `request`, `submit` it (a RolloutError is the request's 400), then
+    its events as they come (`_follow`: `cancel` when the consumer goes away before the end)."""
+    signal = signals.open(request)
+    try:
+        try:
+            submit(request)
+        except RolloutError as error:
+            raise APIError(400, str(error)) from None
+        async for batch in _follow(request, signal, cancel, disconnected):
+            yield batch
+    finally:
+        signals.close(request)
+
+
+def check_prompt_room(prompt: list[int], max_new_tokens: int, vocab_size: int, max_length: int | None) -> None:
+    """Every backend's `check`: `check_room`'s rules, a failure as the request's 400."""
+    try:
+        check_room(prompt, max_new_tokens, vocab_size, max_length)
+    except RolloutError as error:
+        raise APIError(400, str(error), param="messages", code="context_length_exceeded"
+                       if "context" in str(error) else None) from None
 
 
 class HFBackend:
@@ -157,36 +183,24 @@ class HFBackend:
         self.batcher.run(stop)
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        try:
-            self.batcher.room(prompt, max_new_tokens)
-        except RolloutError as error:
-            raise APIError(400, str(error), param="messages", code="context_length_exceeded"
-                           if "context" in str(error) else None) from None
+        engine = self.batcher.engine
+        check_prompt_room(prompt, max_new_tokens, engine.vocab_size, engine.max_length)
 
     def cancel(self, request: StreamRequest) -> None:
         self.batcher.cancel(request)
 
-    async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
-                     ) -> AsyncIterator[list[SequenceEvent]]:
-        signal = self._signals.open(request)
-        try:
-            try:
-                self.batcher.submit(request)
-            except RolloutError as error:
-                raise APIError(400, str(error)) from None
-            async for batch in _follow(request, signal, self.batcher.cancel, disconnected):
-                yield batch
-        finally:
-            self._signals.close(request)
+    def events(self, request: StreamRequest, disconnected: Disconnected | None = None
+               ) -> AsyncIterator[list[SequenceEvent]]:
+        return stream_events(self._signals, request, self.batcher.submit, self.batcher.cancel, disconnected)
 
 
 class VLLMBackend:
     """`VLLMEngine` behind the same interface (UNTESTED here; see the module docstring)."""
 
-    def __init__(self, engine: Any, max_length: int | None):
+    def __init__(self, engine: Any, max_length: int | None, vocab_size: int):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_length = max_length
+        self.max_length, self.vocab_size = max_length, vocab_size
         self._signals = _Signals()
         self._queue: list[StreamRequest] = []
         self._running = 0
@@ -222,40 +236,32 @@ class VLLMBackend:
                                            request_seeds=[r.sampling.seed for r in group])
         except Exception as error:  # noqa: BLE001 - fail this group, keep serving
             for request in group:
-                request.error = error
+                request.deliver([], error)
             self._signals.notify(group)
             return
         finally:
             self._running = 0
         for request, completions in zip(group, results):
             for index, completion in enumerate(completions):
-                request.completions[index] = completion
-                for position, (token, logprob) in enumerate(zip(completion.token_ids, completion.logprobs)):
-                    last = position == len(completion.token_ids) - 1
-                    request._events.append(SequenceEvent(index, token, logprob,
-                                                         completion=completion if last else None))
-                if not completion.token_ids:
-                    request._events.append(SequenceEvent(index, -1, 0.0, completion=completion))
+                events = [SequenceEvent(index, token, logprob)
+                          for token, logprob in zip(completion.token_ids, completion.logprobs)]
+                if not events:
+                    events.append(SequenceEvent(index, -1, 0.0))
+                events[-1].completion = completion
+                request.deliver(events)
         self._signals.notify(group)
 
     def cancel(self, request: StreamRequest) -> None:
         request.cancelled = True
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise APIError(400, "empty prompt")
-        if self.max_length is not None and len(prompt) >= self.max_length:
-            raise APIError(400, f"a prompt of {len(prompt)} tokens leaves no room in the model's context of "
-                           f"{self.max_length} tokens", code="context_length_exceeded")
+        check_prompt_room(prompt, max_new_tokens, self.vocab_size, self.max_length)
 
-    async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
-                     ) -> AsyncIterator[list[SequenceEvent]]:
-        signal = self._signals.open(request)
+    def _submit(self, request: StreamRequest) -> None:
         with self._wake:
             self._queue.append(request)
             self._wake.notify()
-        try:
-            async for batch in _follow(request, signal, self.cancel, disconnected):
-                yield batch
-        finally:
-            self._signals.close(request)
+
+    def events(self, request: StreamRequest, disconnected: Disconnected | None = None
+               ) -> AsyncIterator[list[SequenceEvent]]:
+        return stream_events(self._signals, request, self._submit, self.cancel, disconnected)

@@ -6,8 +6,9 @@ time and the HTTP thread 23%, both wanting the interpreter at once. Here uvicorn
 (started with ``spawn``: no fork of a process that already runs torch's thread pools) and talks to the engine
 over two pipes:
 
-* HTTP -> engine: ``("submit", key, prompt ids, sampling, top_logprobs, ignore_eos, request id)`` and
-  ``("cancel", key)``; `EngineLink` (a thread in the engine's process) submits them to the `ContinuousBatcher`;
+* HTTP -> engine: lists of ``("submit", key, prompt ids, sampling, top_logprobs, ignore_eos, request id)`` and
+  ``("cancel", key)``, one list per turn of the event loop (requests that arrive together reach the batcher
+  together: one prefill); `EngineLink` (a thread in the engine's process) submits them to the `ContinuousBatcher`;
 * engine -> HTTP: once per decode step, ``("step", waiting, running, [(key, events, error), ...])`` with the
   events every request got in that step, sent from the batcher's ``on_step`` on the engine loop.
 
@@ -23,14 +24,13 @@ import asyncio
 import logging
 import multiprocessing
 import threading
-import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest, check_request, check_room
-from posttrain.serve.backends import Disconnected, _follow, _Signals
-from posttrain.serve.errors import APIError, ServeError
+from posttrain.rollout import ContinuousBatcher, RolloutError, SequenceEvent, StreamRequest, check_request
+from posttrain.serve.backends import Disconnected, _Signals, check_prompt_room, stream_events
+from posttrain.serve.errors import ServeError
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +52,34 @@ class EngineLink:
     def _receive(self) -> None:
         try:
             while not self.stop.is_set():
-                message = self.requests.recv()
-                if message[0] == "submit":
-                    _, key, prompt, sampling, top_logprobs, ignore_eos, request_id = message
-                    request = StreamRequest(prompt, sampling, top_logprobs=top_logprobs, request_id=request_id,
-                                            ignore_eos=ignore_eos)
-                    with self._lock:
-                        self._live[key] = request
-                        self._keys[id(request)] = key
-                    try:
-                        self.batcher.submit(request)
-                    except RolloutError as error:  # checked on the HTTP side first: should not happen
-                        request.error = error
-                        self._send([request])
-                elif message[0] == "cancel":
-                    with self._lock:
-                        request = self._live.pop(message[1], None)
+                submitted: list[StreamRequest] = []  # a message's submits go to the batcher together
+                for message in self.requests.recv():
+                    if message[0] == "submit":
+                        _, key, prompt, sampling, top_logprobs, ignore_eos, request_id = message
+                        request = StreamRequest(prompt, sampling, top_logprobs=top_logprobs,
+                                                request_id=request_id, ignore_eos=ignore_eos)
+                        with self._lock:
+                            self._live[key] = request
+                            self._keys[id(request)] = key
+                        submitted.append(request)
+                    elif message[0] == "cancel":
+                        self._submit(submitted)  # a cancel may be for one of them: submitted first
+                        submitted = []
+                        with self._lock:
+                            request = self._live.pop(message[1], None)
+                            if request is not None:
+                                self._keys.pop(id(request), None)
                         if request is not None:
-                            self._keys.pop(id(request), None)
-                    if request is not None:
-                        self.batcher.cancel(request)
+                            self.batcher.cancel(request)
+                self._submit(submitted)
         except (EOFError, OSError):
             pass  # the HTTP process is gone
         self.stop.set()
+
+    def _submit(self, requests: list[StreamRequest]) -> None:
+        for request, error in self.batcher.submit_many(requests):  # checked on the HTTP side first: rare
+            request.error = error
+            self._send([request])
 
     def _send(self, updated: list[StreamRequest]) -> None:
         """One message with every updated request's events. Called from the engine loop and, for a refused
@@ -108,6 +113,7 @@ class RemoteBackend:
         self._live: dict[int, StreamRequest] = {}  # key -> request
         self._keys: dict[int, int] = {}  # id(request) -> key
         self._next_key = 0
+        self._outbox: list[tuple] = []  # messages for the engine, sent at the end of this turn of the loop
         self._waiting = self._running = 0
         self.engine_gone = asyncio.Event()
 
@@ -132,7 +138,7 @@ class RemoteBackend:
                     request = self._live.get(key)
                     if request is None:
                         continue
-                    self._deliver(request, events, error)
+                    request.deliver(events, None if error is None else RolloutError(error))
                     updated.append(request)
                     if request.done:
                         self._forget(key)
@@ -144,23 +150,8 @@ class RemoteBackend:
             self._signals.notify(list(self._live.values()))
             self.engine_gone.set()
 
-    @staticmethod
-    def _deliver(request: StreamRequest, events: list[SequenceEvent], error: str | None) -> None:
-        if events and request.first_token_s is None:
-            request.first_token_s = time.monotonic()
-        for event in events:
-            if event.completion is not None:
-                request.completions[event.index] = event.completion
-        request._events.extend(events)
-        if error is not None:
-            request.error = RolloutError(error)
-
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        try:
-            check_room(prompt, max_new_tokens, self.vocab_size, self.max_length)
-        except RolloutError as error:
-            raise APIError(400, str(error), param="messages", code="context_length_exceeded"
-                           if "context" in str(error) else None) from None
+        check_prompt_room(prompt, max_new_tokens, self.vocab_size, self.max_length)
 
     def cancel(self, request: StreamRequest) -> None:
         request.cancelled = True
@@ -175,29 +166,42 @@ class RemoteBackend:
             self._keys.pop(id(request), None)
 
     def _send(self, message: tuple) -> None:
+        """Queue `message` for the engine; what the handlers queue in one turn of the event loop goes in one pipe
+        message at its end (`_flush`). 64 clients' requests that arrive together are handled one after another
+        here; sent one by one, the engine would start the first alone and join the rest to it in bursts (one
+        prefill each, and a KV copy of the running batch per join); sent together, they are one prefill."""
+        self._outbox.append(message)
+        if len(self._outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        messages, self._outbox = self._outbox, []
         try:
-            self._to_engine.send(message)
+            self._to_engine.send(messages)
         except (BrokenPipeError, OSError):
-            raise APIError(503, "the engine process is gone", type="server_error") from None
+            failed = [self._live[m[1]] for m in messages if m[0] == "submit" and m[1] in self._live]
+            for request in failed:
+                request.deliver([], RolloutError("the engine process is gone"))
+            self._signals.notify(failed)
+
+    def _submit(self, request: StreamRequest) -> None:
+        """Checked here by the batcher's own rules (`check_request`), then sent to the engine's process."""
+        check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_length,
+                      self.max_batch_size)
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._live[key], self._keys[id(request)] = request, key
+        self._send(("submit", key, request.prompt_token_ids, request.sampling, request.top_logprobs,
+                    request.ignore_eos, request.request_id))
 
     async def events(self, request: StreamRequest, disconnected: Disconnected | None = None
                      ) -> AsyncIterator[list[SequenceEvent]]:
         try:
-            check_request(request.prompt_token_ids, request.sampling, self.vocab_size, self.max_length,
-                          self.max_batch_size)
-        except RolloutError as error:
-            raise APIError(400, str(error)) from None
-        signal = self._signals.open(request)
-        key, self._next_key = self._next_key, self._next_key + 1
-        self._live[key], self._keys[id(request)] = request, key
-        try:
-            self._send(("submit", key, request.prompt_token_ids, request.sampling, request.top_logprobs,
-                        request.ignore_eos, request.request_id))
-            async for batch in _follow(request, signal, self.cancel, disconnected):
+            async for batch in stream_events(self._signals, request, self._submit, self.cancel, disconnected):
                 yield batch
         finally:
-            self._signals.close(request)
-            self._forget(key)
+            key = self._keys.get(id(request))
+            if key is not None:
+                self._forget(key)
 
 
 def _http_main(requests: Connection, events: Connection, tokenizer: Any, limits: dict[str, Any],

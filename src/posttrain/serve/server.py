@@ -7,7 +7,7 @@ of tiny-3m took 0.08 s from the main thread, 0.19 s from a worker thread) — an
 (``--http-thread``) keeps uvicorn on a second thread of this process, the layout `start_server` uses by default
 for tests and benchmarks that drive the server from the same process (``start_server(..., http_process=True)``
 starts the child instead). Backends without a `ContinuousBatcher` (vLLM, speculative decoding) always use a
-thread.
+thread. One function (`_start_http`) starts either layout for both.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -63,7 +64,7 @@ def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *
     if engine == "hf" and options.get("draft"):
         # Speculative rounds run inside `HFEngine.generate`: requests are batched per call, not continuously.
         hf_engine = load_engine(checkpoint, **options)
-        return VLLMBackend(hf_engine, hf_engine.max_length)
+        return VLLMBackend(hf_engine, hf_engine.max_length, hf_engine.vocab_size)
     if engine == "hf":
         from posttrain.rollout import ContinuousBatcher
 
@@ -75,34 +76,45 @@ def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *
 
         config = AutoConfig.from_pretrained(str(checkpoint))
         max_length = getattr(config, "max_position_embeddings", None)
-        return VLLMBackend(VLLMEngine(str(checkpoint), allow_truncated_logprobs=True), max_length)
+        return VLLMBackend(VLLMEngine(str(checkpoint), allow_truncated_logprobs=True), max_length,
+                           config.vocab_size)
     raise ServeError(f"--engine {engine!r}: use 'hf' or 'vllm'")
 
 
-def _uvicorn(backend: Any, model_name: str, host: str, port: int, api_key: str | None) -> uvicorn.Server:
-    app = create_app(backend, model_name, api_key=api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
-    return uvicorn.Server(config)
+def _start_http(backend: Any, model_name: str, host: str, port: int, api_key: str | None, http_process: bool,
+                stop: threading.Event) -> Callable[[], None]:
+    """Start the HTTP side of `backend` (listening when this returns) and return what stops it; the HTTP side
+    going away sets `stop`. With `http_process` (and a backend with a batcher) uvicorn runs in a child process
+    (`HTTPProcess`: its pipe closing stops the engine's link), otherwise on a thread of this process."""
+    if http_process and isinstance(backend, HFBackend):
+        http = HTTPProcess(backend.batcher, model_name, host=host, port=port, api_key=api_key,
+                           stream_interval_s=backend.stream_interval_s, stop=stop)
+        http.start()
+        return http.stop
+    if http_process:
+        log.info("serve: %s has no continuous batcher; HTTP runs on a thread", type(backend).__name__)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, model_name, api_key=api_key), host=host, port=port,
+                                           log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=2))
 
+    def run() -> None:
+        try:
+            server.run()
+        finally:
+            stop.set()
 
-def _start_http(server: uvicorn.Server, host: str, port: int) -> threading.Thread:
-    thread = threading.Thread(target=server.run, name="posttrain-http", daemon=True)
+    thread = threading.Thread(target=run, name="posttrain-http", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
             raise ServeError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
         time.sleep(0.01)
-    return thread
 
+    def close() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
 
-def _start_http_process(backend: HFBackend, model_name: str, host: str, port: int, api_key: str | None,
-                        stop: threading.Event) -> Any:
-    """uvicorn in a child process over the backend's batcher (listening when this returns); returns its stop."""
-    http = HTTPProcess(backend.batcher, model_name, host=host, port=port, api_key=api_key,
-                       stream_interval_s=backend.stream_interval_s, stop=stop)
-    http.start()
-    return http.stop
+    return close
 
 
 def serve(backend: Any, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
@@ -110,16 +122,7 @@ def serve(backend: Any, model_name: str, *, host: str = "127.0.0.1", port: int =
     """Serve until interrupted (Ctrl-C): the engine loop on this thread, HTTP in a child process (or, with
     ``http_process=False`` or a backend without a batcher, on a thread of this one)."""
     stop = threading.Event()
-    if http_process and isinstance(backend, HFBackend):
-        close = _start_http_process(backend, model_name, host, port, api_key, stop)
-    else:
-        server = _uvicorn(backend, model_name, host, port, api_key)
-        thread = _start_http(server, host, port)
-        threading.Thread(target=lambda: (thread.join(), stop.set()), daemon=True).start()  # HTTP gone: stop too
-
-        def close() -> None:
-            server.should_exit = True
-            thread.join(timeout=5)
+    close = _start_http(backend, model_name, host, port, api_key, http_process, stop)
     if ready is not None:
         ready(f"http://{host}:{port}")
     try:
@@ -160,22 +163,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_server(backend: Any, model_name: str, *, host: str = "127.0.0.1", port: int | None = None,
                  api_key: str | None = None, http_process: bool = False) -> ServerHandle:
-    """Serve in the background (the engine loop on a thread, HTTP on another or, with ``http_process``, in a
-    child process); stop with ``handle.stop()``."""
+    """Serve in the background: the same layouts as `serve`, but the engine loop on a thread (HTTP on another
+    by default, or with ``http_process`` in a child process); stop with ``handle.stop()``."""
     port = port or free_port(host)
     stop = threading.Event()
-    if http_process:
-        if not isinstance(backend, HFBackend):
-            raise ServeError("http_process needs the hf backend's continuous batcher")
-        close = _start_http_process(backend, model_name, host, port, api_key, stop)
-    else:
-        server = _uvicorn(backend, model_name, host, port, api_key)
-
-        def close() -> None:
-            server.should_exit = True
-            http_thread.join(timeout=10)
+    close = _start_http(backend, model_name, host, port, api_key, http_process, stop)
     engine_thread = threading.Thread(target=backend.run, args=(stop,), name="posttrain-engine", daemon=True)
     engine_thread.start()
-    if not http_process:
-        http_thread = _start_http(server, host, port)
     return ServerHandle(f"http://{host}:{port}", backend, close, engine_thread, stop)
