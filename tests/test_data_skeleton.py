@@ -120,6 +120,16 @@ def test_templates_that_look_into_contents_never_take_the_fast_path():
     assert not skeleton.content_is_opaque("{% for m in messages %}{% set c = m.content %}{{ c }}{% endfor %}")
     assert not skeleton.content_is_opaque("{% for m in messages %}{% if 'x' in m.content %}y{% endif %}{% endfor %}")
     assert not skeleton.content_is_opaque("{% for m in messages %}{{ m.content and 'x' }}{% endfor %}")
+    assert not skeleton.content_is_opaque("{% for m in messages %}{% for k, v in m.items() %}{{ v | trim }}"
+                                          "{% endfor %}{% endfor %}")
+    assert not skeleton.content_is_opaque("{% set ns = namespace(m=none) %}{% for m in messages %}{% set ns.m = m %}"
+                                          "{% endfor %}{{ ns.m.content | trim }}")
+    assert not skeleton.content_is_opaque("{% for m in messages %}{% filter trim %}{{ m.content }}{% endfilter %}"
+                                          "{% endfor %}")
+    assert not skeleton.content_is_opaque("{% for m in messages %}{% set x %}{{ m.content }}{% endset %}{{ x[1:] }}"
+                                          "{% endfor %}")
+    assert not skeleton.content_is_opaque("{% for m in messages %}{{ loop.previtem.content | trim if loop.previtem }}"
+                                          "{% endfor %}")
 
 
 def test_one_template_call_per_shape_not_per_sample(tokenizer):

@@ -33,6 +33,8 @@ from posttrain.types import Message
 _PLACEHOLDER = "\ue000{}\ue001"  # private-use characters: no template writes them
 _SAFE_TESTS = {"string", "none", "defined", "undefined"}
 _SHAPE_FILTERS = {"length", "count"}  # filters of a message list that depend on its shape only
+_STILL_A_MESSAGE = {"previtem", "nextitem"}  # loop.previtem in a loop over messages
+_CAPTURING = (nodes.AssignBlock, nodes.FilterBlock, nodes.Macro, nodes.CallBlock)
 
 
 class Skeletons:
@@ -103,7 +105,7 @@ def _mentions(node: nodes.Node, names: set[str]) -> bool:
 
 def _message_names(tree: nodes.Template) -> set[str]:
     """`messages` and every variable assigned or looped from it (to a fixed point)."""
-    names = {"messages"}
+    names = {"messages", "loop"}  # loop: loop.previtem / loop.nextitem are messages
     while True:
         before = len(names)
         for loop in tree.find_all(nodes.For):
@@ -144,11 +146,15 @@ def _use_is_safe(path: list[nodes.Node]) -> bool:
     while index + 1 < len(path):
         node, parent = path[index], path[index + 1]
         is_read, field = _key(node, parent)
-        if is_read and field == "get" and index + 2 < len(path) and isinstance(path[index + 2], nodes.Call):
-            call = path[index + 2]
+        call = path[index + 2] if index + 2 < len(path) else None
+        if is_read and isinstance(call, nodes.Call) and call.node is parent:  # a method of the message
+            if field != "get":
+                return False  # items(), values(), ...: may read the content
             field = call.args[0].value if call.args and isinstance(call.args[0], nodes.Const) else None
-            index += 1  # the call stands for the field read
-            parent = call
+            index, parent = index + 1, call  # m.get('role') reads as m['role']
+        if is_read and field in _STILL_A_MESSAGE:
+            index += 1
+            continue
         if is_read and isinstance(field, str) and field != "content":
             return True  # role, tool_calls, ...: part of the shape (the fast path takes role + content only)
         if is_read and field == "content":
@@ -157,7 +163,9 @@ def _use_is_safe(path: list[nodes.Node]) -> bool:
         if is_read or branch or isinstance(parent, nodes.Slice):
             index += 1  # messages[0], messages[1:], m[i], `a if c else m`: still a message or a list of them
             continue
-        if isinstance(parent, (nodes.For, nodes.Assign, nodes.Test)) or (
+        if isinstance(parent, nodes.Assign):
+            return isinstance(parent.target, nodes.Name)  # `set ns.x = message` would hide it from the check
+        if isinstance(parent, (nodes.For, nodes.Test)) or (
                 isinstance(parent, nodes.Filter) and parent.name in _SHAPE_FILTERS):
             return True
         if isinstance(parent, (nodes.If, nodes.CondExpr)) and parent.test is node:
@@ -179,8 +187,8 @@ def _content_use_is_safe(above: list[nodes.Node], content: nodes.Node) -> bool:
         if isinstance(parent, (nodes.Add, nodes.Concat)):
             node = parent
             continue
-        if isinstance(parent, nodes.Output):
-            return True
+        if isinstance(parent, nodes.Output):  # pasted, unless the output is captured or filtered as a block
+            return not any(isinstance(n, _CAPTURING) for n in above)
         if isinstance(parent, nodes.Test):
             return node is content and parent.name in _SAFE_TESTS
         if isinstance(parent, (nodes.If, nodes.CondExpr)):
