@@ -28,6 +28,10 @@ and after an index: a preference pair locates only its response, whatever the te
 ``reasoning="include"`` writes ``metadata.reasoning_trace`` into the last assistant turn as
 ``<think>{trace}</think>`` before its content; ``"drop"`` leaves it out. Tools listed in
 ``metadata.extras["tools"]`` are passed to the template's `tools` argument.
+
+Renderings are text either way, but a template that only pastes contents is not called per sample: each
+conversation shape is rendered once with placeholders and filled in (`posttrain.data.skeleton`, which says when
+that is exact; any other template or message is rendered by the template itself).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any, Literal, Sequence
 from posttrain.chat import ChatTemplateError, require_prefix
 from posttrain.chat import render_chat as _render_chat
 from posttrain.data.schema import DataError, SampleMetadata, SFTSample
+from posttrain.data.skeleton import Skeletons
 from posttrain.types import Message
 
 Reasoning = Literal["include", "drop"]
@@ -97,7 +102,7 @@ def tokenize_samples(
     keep_empty: bool = False,
     trained_from: Sequence[int] | None = None,
 ) -> TokenizeResult:
-    """Tokenize many samples: render each (two template calls per assistant turn at most), then one batched,
+    """Tokenize many samples: render each (two renderings per assistant turn at most), then one batched,
     parallel tokenizer call with offsets. A sample gives one sequence, or several for a template that
     rewrites earlier turns (see the module docstring; `TokenizeResult.sources` maps them back). Sequences
     longer than `max_length` are cut and counted; those left with no loss token are dropped and counted
@@ -178,6 +183,10 @@ class _Renderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.cache: dict[tuple, str] = {}
+        self.skeletons = Skeletons(getattr(tokenizer, "chat_template", None), self._render_slow)
+
+    def _render_slow(self, messages: Sequence[Message], generation_prompt: bool, tools: Any) -> str:
+        return render_chat(self.tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
 
     def sequences(self, messages: Sequence[Message], tools: Any,
                   trained_from: int = 0) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -217,8 +226,10 @@ class _Renderer:
     def render(self, messages: Sequence[Message], key: tuple, generation_prompt: bool, tools: Any) -> str:
         text = self.cache.get(key)
         if text is None:
-            text = self.cache[key] = render_chat(self.tokenizer, messages, generation_prompt=generation_prompt,
-                                                 tools=tools)
+            text = self.skeletons.render(messages, generation_prompt, tools, key[1])
+            if text is None:
+                text = self._render_slow(messages, generation_prompt, tools)
+            self.cache[key] = text
         return text
 
 
