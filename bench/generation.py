@@ -7,7 +7,10 @@ new tokens, temperature 1, no top-k/top-p, in fp32 and in bf16 autocast. `genera
 ``num_return_sequences=8, do_sample=True`` and the prompts left-padded; the engine gets ``n=8``. Both are
 timed side by side, alternating which goes first, and the figures are medians over the repeats (the machine
 is shared: single runs are noisy). Tokens counted are the completion tokens actually produced (through the eos
-when one is sampled), so padding `generate` adds after an eos is not counted for it.
+when one is sampled), so padding `generate` adds after an eos is not counted for it. Each run is timed in wall
+time and in the process's CPU time (``cpu_*``): on a shared machine wall time also measures the other jobs
+(a descheduled run is slow for reasons of its own), while CPU time is what the run itself costs; with
+``--threads 1`` it is the work done, with no OpenMP waits in it.
 
 It also measures the engine-vs-trainer logprob gap: the engine's logprobs for its own samples against a
 teacher-forced forward pass of the same model, in fp32 and under bf16 autocast (what a trainer computes),
@@ -60,28 +63,29 @@ def precision_context(precision: str):
     return contextlib.nullcontext()
 
 
-def run_engine(engine: HFEngine, prompts: list[list[int]]) -> tuple[int, float]:
+def run_engine(engine: HFEngine, prompts: list[list[int]]) -> tuple[int, float, float]:
+    """Completion tokens, wall seconds and CPU seconds of one engine run."""
     sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=SAMPLES)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     groups = engine.generate([GenerationRequest(p) for p in prompts], sampling)
-    seconds = time.perf_counter() - started
-    return sum(len(c.token_ids) for group in groups for c in group), seconds
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return sum(len(c.token_ids) for group in groups for c in group), seconds, cpu
 
 
-def run_transformers(model, tokenizer, prompts: list[list[int]], precision: str) -> tuple[int, float]:
+def run_transformers(model, tokenizer, prompts: list[list[int]], precision: str) -> tuple[int, float, float]:
     batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode(), precision_context(precision):
         output = model.generate(
             **batch, do_sample=True, num_return_sequences=SAMPLES, max_new_tokens=NEW_TOKENS,
             temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     new = output[:, batch["input_ids"].shape[1] :]
     produced = 0
     for row in new.tolist():  # through the first eos; what follows is padding
         produced += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-    return produced, seconds
+    return produced, seconds, cpu
 
 
 def train(model, tokenizer, steps: int) -> None:
@@ -136,7 +140,9 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
     train(model, tokenizer, train_steps)
     model.eval()
     engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None) for p in precisions}
-    rates: dict[str, dict[str, list[float]]] = {p: {"engine": [], "transformers": []} for p in precisions}
+    rates: dict[str, dict[str, list[float]]] = {
+        p: {"engine": [], "transformers": [], "cpu_engine": [], "cpu_transformers": []} for p in precisions
+    }
     for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs
         run_engine(engines[precision], prompts)
         run_transformers(model, tokenizer, prompts, precision)
@@ -145,10 +151,11 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
             order = ["engine", "transformers"] if repeat % 2 == 0 else ["transformers", "engine"]
             for who in order:
                 if who == "engine":
-                    tokens, seconds = run_engine(engines[precision], prompts)
+                    tokens, seconds, cpu = run_engine(engines[precision], prompts)
                 else:
-                    tokens, seconds = run_transformers(model, tokenizer, prompts, precision)
+                    tokens, seconds, cpu = run_transformers(model, tokenizer, prompts, precision)
                 rates[precision][who].append(tokens / seconds)
+                rates[precision][f"cpu_{who}"].append(tokens / cpu)
     result = {}
     for precision, runs in rates.items():
         engine, transformers = statistics.median(runs["engine"]), statistics.median(runs["transformers"])
@@ -156,6 +163,9 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
             "engine_tokens_per_s": round(engine),
             "transformers_tokens_per_s": round(transformers),
             "ratio": round(engine / transformers, 2),
+            "cpu_engine_tokens_per_s": round(statistics.median(runs["cpu_engine"])),
+            "cpu_transformers_tokens_per_s": round(statistics.median(runs["cpu_transformers"])),
+            "cpu_ratio": round(statistics.median(runs["cpu_engine"]) / statistics.median(runs["cpu_transformers"]), 2),
             "runner": engines[precision].runner,
             "logprob_gap": logprob_gap(engines[precision], model, prompts),
         }
@@ -188,7 +198,9 @@ def main() -> None:
             gap = figures["logprob_gap"]
             print(
                 f"{preset:9s} {precision:5s} engine {figures['engine_tokens_per_s']:>7,} tok/s   "
-                f"transformers {figures['transformers_tokens_per_s']:>7,} tok/s   ratio {figures['ratio']:.2f}   "
+                f"transformers {figures['transformers_tokens_per_s']:>7,} tok/s   ratio {figures['ratio']:.2f} "
+                f"(CPU time: {figures['cpu_engine_tokens_per_s']:,} vs {figures['cpu_transformers_tokens_per_s']:,}, "
+                f"ratio {figures['cpu_ratio']:.2f})   "
                 f"logprob gap vs fp32 trainer {gap['vs_trainer_fp32']}, vs bf16 trainer {gap['vs_trainer_bf16']}"
             )
     summary = {

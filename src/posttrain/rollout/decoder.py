@@ -137,6 +137,7 @@ class _DecodeCaches(NamedTuple):
     row_bias: torch.Tensor  # [rows, 1, 1, P]: -inf on a row's prompt padding
     prompts: int
     slots: int
+    dense: bool  # every prompt has `slots` rows: the grid is the rows themselves (grid_index is the identity)
 
 
 class _Layer:
@@ -174,15 +175,25 @@ def _norm(module: torch.nn.Module | None) -> _Norm | None:
 
 def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
     # Exactly the Hugging Face RMSNorm: statistics in float32, cast back, then scaled by the weight.
+    scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.eps)) if x.dtype == torch.float32 else None
+    if scale is not None and norm.weight.dtype == torch.float32:  # float32 throughout: the same values, in place
+        return (x * scale).mul_(norm.weight)
     x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    x32 = x32 * (scale if scale is not None else torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps))
     return norm.weight * x32.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with ``sin`` sign-folded (`_signed_sin`): x * cos + cat(x2, x1) * [-sin1, sin2] is the
+    Hugging Face x * cos + cat(-x2, x1) * sin (a sign flip is exact) in two ops fewer."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _linear(x: torch.Tensor, weight: Linear, autocast: torch.dtype | None) -> torch.Tensor:
@@ -191,8 +202,13 @@ def _linear(x: torch.Tensor, weight: Linear, autocast: torch.dtype | None) -> to
     return F.linear(x, weight[0], weight[1])
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the dispatch when it is a no-op (the fp32 path calls this per layer and step)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _operand(x: torch.Tensor, dims: _Dims) -> torch.Tensor:
-    return x.to(dims.attn_dtype).to(torch.float32)
+    return _as(_as(x, dims.attn_dtype), torch.float32)
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
@@ -241,14 +257,17 @@ def _logits(hidden: torch.Tensor, norm: _Norm, head: Linear, dims: _Dims) -> tor
 
 
 def _wide(cache: torch.Tensor) -> torch.Tensor:
-    return cache.to(torch.float32)
+    return _as(cache, torch.float32)
 
 
 def _to_grid(x: torch.Tensor, caches: _DecodeCaches) -> torch.Tensor:
     """[rows, kv_heads, group, F] -> [prompts, kv_heads, slots * group, F], zero where no row sits."""
     prompts, slots = caches.prompts, caches.slots
-    grid = x.new_zeros(prompts * slots, *x.shape[1:])
-    grid.index_copy_(0, caches.grid_index, x)
+    if caches.dense:
+        grid = x
+    else:
+        grid = x.new_zeros(prompts * slots, *x.shape[1:])
+        grid.index_copy_(0, caches.grid_index, x)
     grid = grid.view(prompts, slots, *x.shape[1:]).transpose(1, 2)
     return grid.reshape(prompts, x.shape[1], slots * x.shape[2], x.shape[3])
 
@@ -257,7 +276,8 @@ def _from_grid(grid: torch.Tensor, caches: _DecodeCaches, group: int) -> torch.T
     prompts, slots = caches.prompts, caches.slots
     kv_heads, features = grid.shape[1], grid.shape[-1]
     grid = grid.view(prompts, kv_heads, slots, group, features).transpose(1, 2)
-    return grid.reshape(prompts * slots, kv_heads, group, features)[caches.grid_index]
+    rows = grid.reshape(prompts * slots, kv_heads, group, features)
+    return rows if caches.dense else rows[caches.grid_index]
 
 
 def _decode_step(ids: torch.Tensor, positions: torch.Tensor, length: int, embed: torch.Tensor,
@@ -269,8 +289,8 @@ def _decode_step(ids: torch.Tensor, positions: torch.Tensor, length: int, embed:
     rows, kv_heads, group, head_dim = ids.shape[0], dims.kv_heads, dims.group, dims.head_dim
 
     def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        caches.keys[index][length] = k[:, 0].to(dims.attn_dtype)
-        caches.values[index][length] = v[:, 0].to(dims.attn_dtype)
+        caches.keys[index][length] = _as(k[:, 0], dims.attn_dtype)
+        caches.values[index][length] = _as(v[:, 0], dims.attn_dtype)
         q = _operand(q, dims).view(rows, kv_heads, group, head_dim)
         # A cache stored in the model's dtype is widened here, one layer at a time (a no-op for float32).
         prompt_keys = _wide(caches.prompt_keys[index]).permute(1, 2, 3, 0)  # [prompts, kv_heads, D, P]
@@ -283,7 +303,7 @@ def _decode_step(ids: torch.Tensor, positions: torch.Tensor, length: int, embed:
         out = torch.matmul(weights[..., width:], own_values)
         prompt_values = _wide(caches.prompt_values[index]).permute(1, 2, 0, 3)  # [prompts, kv_heads, P, D]
         out += _from_grid(torch.matmul(_to_grid(weights[..., :width], caches), prompt_values), caches, group)
-        return out.view(rows, 1, kv_heads * group * head_dim).to(dims.attn_dtype)
+        return _as(out.view(rows, 1, kv_heads * group * head_dim), dims.attn_dtype)
 
     x = F.embedding(ids, embed)
     cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)  # [rows, 1, 1, D]
@@ -359,7 +379,7 @@ class DecoderRunner:
         positions = torch.arange(capacity, device=self.device)[None]
         probe = torch.empty(1, capacity, 1, dtype=self.param_dtype, device=self.device)
         cos, sin = self.body.rotary_emb(probe, position_ids=positions)
-        self.cos, self.sin = cos[0], sin[0]
+        self.cos, self.sin = cos[0], _signed_sin(sin[0])  # sign-folded for `_rotate`
         self._rope_len = capacity
 
     # ---- the layer maths (module-level functions, shared with the decode step) ------------------------
@@ -440,7 +460,7 @@ class DecoderRunner:
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; logits [rows, vocab] for the next one."""
         caches = _DecodeCaches(self.keys, self.values, self.prompt_keys, self.prompt_values, self.grid_index,
-                               self.row_bias, *self.grid)
+                               self.row_bias, *self.grid, self.grid[0] * self.grid[1] == len(self.rows_prompt))
         logits = self.step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
                            self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches,
                            self.dims)
