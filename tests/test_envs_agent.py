@@ -308,6 +308,30 @@ def test_an_agent_episode_is_as_stale_as_its_oldest_segment():
                                                                               {**_counts(), "stale_kept": 1})
 
 
+def test_an_agent_episode_pays_the_token_cost_of_every_segment():
+    """The return's token cost and the rollout metrics count the tokens the policy sampled in the whole episode:
+    a black-box agent's earlier segments (trained on) are not free."""
+    from posttrain.config import ReturnConfig
+    from posttrain.envs import episode_policy_tokens
+    from posttrain.rl.advantages import episode_return
+    from posttrain.rl.pipeline import batch_metrics
+
+    def segment(sampled: int) -> dict:
+        return {"token_ids": [1, 2] + [3] * sampled, "loss_mask": [0, 0] + [1] * sampled,
+                "behaviour_logprobs": [0.0] * (2 + sampled), "policy_versions": [-1, -1] + [0] * sampled,
+                "prompt_length": 2, "calls": 1, "messages": []}
+
+    last = segment(2)
+    trajectory = Trajectory(
+        task_id="t", domain="agent", token_ids=last["token_ids"], loss_mask=last["loss_mask"],
+        behaviour_logprobs=last["behaviour_logprobs"], policy_versions=last["policy_versions"], prompt_length=2,
+        reward=Reward(1.0, True), steps=3, metadata={"agent": {"earlier_segments": [segment(5), segment(3)]}})
+    assert trajectory.policy_tokens == 2 and episode_policy_tokens(trajectory) == 10
+    _, components = episode_return(trajectory, ReturnConfig(token_cost=0.01), max_new_tokens=16)
+    assert components["token_cost"] == pytest.approx(-0.10)
+    assert batch_metrics([trajectory])["rollout/policy_tokens"] == 10
+
+
 def _counts() -> dict[str, int]:
     return {"episodes": 1, "infra_masked": 0, "filtered": 0, "stale_dropped": 0, "stale_kept": 0}
 

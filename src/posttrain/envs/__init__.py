@@ -36,6 +36,7 @@ from posttrain.envs.gym_env import GymTextEnv
 from posttrain.envs.openenv_env import OpenEnvEnv
 from posttrain.envs.episode import (
     judging_wall_seconds,
+    episode_policy_tokens,
     oldest_policy_version,
     process_reward,
     rollout_episode,
@@ -96,6 +97,7 @@ __all__ = [
     "judging_wall_seconds",
     "make_environment",
     "observation_text",
+    "episode_policy_tokens",
     "oldest_policy_version",
     "process_reward",
     "rollout_episode",

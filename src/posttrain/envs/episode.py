@@ -456,6 +456,12 @@ def oldest_policy_version(trajectory: Trajectory) -> int:
     return min(versions) if versions else -1
 
 
+def episode_policy_tokens(trajectory: Trajectory) -> int:
+    """The tokens the policy sampled in the whole episode: every segment's (`trajectory_segments`), so a black-box
+    agent's earlier segments count in its token cost and its metrics as they do in training."""
+    return sum(segment.policy_tokens for segment in trajectory_segments(trajectory))
+
+
 def _member_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if sampling.seed is None or index == 0:
         return sampling

@@ -61,6 +61,7 @@ from typing import Any, Literal, Sequence
 import torch
 
 from posttrain.config import RLRecipe, ReturnConfig
+from posttrain.envs import episode_policy_tokens
 from posttrain.rl.pipeline import RolloutFn
 from posttrain.types import SamplingParams, Task, Trajectory
 from posttrain.verify import check_terms, with_reward_terms
@@ -77,7 +78,7 @@ def episode_return(trajectory: Trajectory, config: ReturnConfig, max_new_tokens:
     if config.step_cost:
         components["step_cost"] = -config.step_cost * max(0, trajectory.steps - 1)
     if config.token_cost:
-        components["token_cost"] = -config.token_cost * trajectory.policy_tokens
+        components["token_cost"] = -config.token_cost * episode_policy_tokens(trajectory)
     if config.process_weight:
         process = trajectory.reward.components.get("process", trajectory.metadata.get("process_reward", 0.0))
         components["process"] = config.process_weight * float(process)

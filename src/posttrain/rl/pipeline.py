@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from posttrain.config import DynamicSamplingConfig, RLRecipe
-from posttrain.envs import judging_wall_seconds, oldest_policy_version
+from posttrain.envs import episode_policy_tokens, judging_wall_seconds, oldest_policy_version
 from posttrain.rl.learned import LEARNED_REWARD_KEY
 from posttrain.schedule import DROPPED_KEY, TaskSampler, group_outcome, is_dropped, is_kept, split_groups
 from posttrain.types import FailureClass, SamplingParams, Task, Trajectory
@@ -326,7 +326,7 @@ def select_trainable(trajectories: Sequence[Trajectory], step: int, recipe: RLRe
         if is_dropped(trajectory):
             counts["filtered"] += 1
             continue
-        if trajectory.policy_tokens == 0:
+        if episode_policy_tokens(trajectory) == 0:
             continue
         # Every segment's versions: a black-box agent's earlier segment may be older than its last.
         if step - oldest_policy_version(trajectory) > recipe.pipeline.max_staleness:
@@ -355,7 +355,7 @@ def batch_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     if scored:
         metrics["reward/mean"] = sum(t.reward.score for t in scored) / len(scored)
         metrics["reward/pass_rate"] = sum(t.reward.passed for t in scored) / len(scored)
-        metrics["rollout/policy_tokens"] = sum(t.policy_tokens for t in scored) / len(scored)
+        metrics["rollout/policy_tokens"] = sum(episode_policy_tokens(t) for t in scored) / len(scored)
         metrics["rollout/truncated"] = sum(t.truncated for t in scored) / len(scored)
         metrics["rollout/steps"] = sum(t.steps for t in scored) / len(scored)
         calls = sum(t.tool_calls for t in scored)
