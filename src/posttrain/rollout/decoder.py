@@ -175,12 +175,9 @@ def _norm(module: torch.nn.Module | None) -> _Norm | None:
 
 def _rms_norm(x: torch.Tensor, norm: _Norm) -> torch.Tensor:
     # Exactly the Hugging Face RMSNorm: statistics in float32, cast back, then scaled by the weight.
-    scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(norm.eps)) if x.dtype == torch.float32 else None
-    if scale is not None and norm.weight.dtype == torch.float32:  # float32 throughout: the same values, in place
-        return (x * scale).mul_(norm.weight)
-    x32 = x.to(torch.float32)
-    x32 = x32 * (scale if scale is not None else torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps))
-    return norm.weight * x32.to(x.dtype)
+    x32 = _as(x, torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * _as(x32, x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
