@@ -173,3 +173,23 @@ def test_training_streams_each_epoch_once_and_ends_it_without_counting(tmp_path,
     with pytest.raises(DataError, match="no training sample left"):
         empty = write(tmp_path / "empty.jsonl", [chat("what is 1+1?", "2")])
         prepare_sft_data(config([empty], streaming=True, heldout_fraction=0.99), tokenizer, seed=0).epoch_rows(0)[0:1]
+
+
+def test_list_of_parts_content_streams_as_its_joined_text(tmp_path, tokenizer):
+    """OpenAI list-of-parts contents (text parts joined with a newline) give the rows the same chats written
+    as strings give, streamed (twice: a re-streamed epoch) and in memory."""
+    def parts(record):
+        record = json.loads(json.dumps(record))
+        for message in record["messages"]:
+            text = message["content"]
+            message["content"] = [{"type": "text", "text": piece} for piece in text.split("\n")]
+        return record
+
+    plain = [chat(f"what is {i}+{i}?\nword{i}", str(2 * i)) for i in range(60)]
+    as_parts = write(tmp_path / "parts.jsonl", [parts(r) for r in plain])
+    as_text = write(tmp_path / "text.jsonl", plain)
+    expected = list(prepare_sft_data(config([as_text], streaming=True), tokenizer, seed=0).iter_rows(0))
+    streamed = prepare_sft_data(config([as_parts], streaming=True), tokenizer, seed=0)
+    assert list(streamed.iter_rows(0)) == expected and list(streamed.iter_rows(0)) == expected
+    memory = prepare_sft_data(config([as_parts]), tokenizer, seed=0)
+    assert documents(memory.epoch_rows(0)) == documents(expected)

@@ -42,7 +42,7 @@ from typing import Any, Literal, Sequence
 
 from posttrain.chat import ChatTemplateError, require_prefix
 from posttrain.chat import render_chat as _render_chat
-from posttrain.data.schema import DataError, SampleMetadata, SFTSample
+from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, text_of_parts
 from posttrain.data.skeleton import Skeletons
 from posttrain.types import Message
 
@@ -153,8 +153,11 @@ def prompt_ids(tokenizer: Any, conversations: Sequence[Sequence[Message]],
 
 
 def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[Message]:
-    """The messages as the template will see them: the reasoning trace put into (or left out of) the last reply."""
-    messages = list(sample.messages)
+    """The messages as the template will see them: a content given as a list of text parts joined as the readers
+    join it (`schema.text_of_parts`; a sample built in code need not have been read), and the reasoning trace put
+    into (or left out of) the last reply."""
+    messages = [_with_text_content(m, i) if isinstance(m.get("content"), list) else m
+                for i, m in enumerate(sample.messages)]
     trace = sample.metadata.reasoning_trace
     if reasoning == "include" and trace:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -162,6 +165,13 @@ def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[M
         reply["content"] = f"{THINK_OPEN}{trace}{THINK_CLOSE}{reply.get('content') or ''}"
         messages[last] = reply
     return messages
+
+
+def _with_text_content(message: Message, index: int) -> Message:
+    try:
+        return {**message, "content": text_of_parts(message["content"], f"messages[{index}].content")}
+    except RecordError as error:
+        raise DataError(str(error)) from None
 
 
 def assistant_spans(
@@ -234,10 +244,13 @@ class _Renderer:
 
 
 def _message_key(message: Message) -> tuple:
+    """What a rendering depends on in `message`, hashable: a content that is not a string (a list of parts passed
+    to `assistant_spans` as it is, for the template to read) is keyed by its JSON."""
     calls = message.get("tool_calls")
+    content = message.get("content")
     return (
         message["role"],
-        message.get("content"),
+        content if content is None or isinstance(content, str) else json.dumps(content, sort_keys=True, default=str),
         json.dumps(calls, sort_keys=True) if calls else None,
         message.get("name"),
         message.get("tool_call_id"),
@@ -247,8 +260,8 @@ def _message_key(message: Message) -> tuple:
 def _render_sample(
     sample: SFTSample, renderer: _Renderer, reasoning: Reasoning, index: int, trained_from: int
 ) -> list[tuple[str, list[tuple[int, int]]]]:
-    messages = conversation_for_training(sample, reasoning)
     try:
+        messages = conversation_for_training(sample, reasoning)
         return renderer.sequences(messages, sample.metadata.extras.get("tools"), trained_from)
     except DataError as error:
         where = sample.metadata.origin or f"sample {index} (source {sample.metadata.source})"
