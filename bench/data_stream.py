@@ -74,7 +74,7 @@ def measure(mode: str, path: Path, tokenizer_dir: Path, max_length: int) -> dict
     if mode == "memory":
         rows = prepare_sft_data(data_config(path, max_length, False), tokenizer, seed=0).epoch_rows(0)
         tokens, count = sum(len(row) for row in rows), len(rows)
-    else:  # one pass, after the survey that counts the mix groups
+    else:  # the one reading pass (read, dedup, tokenize into the spill), then epoch 0 mixed and packed from it
         data = StreamingSFTData(data_config(path, max_length, True), tokenizer, seed=0)
         tokens = count = 0
         for row in data.iter_rows(0):
