@@ -36,6 +36,7 @@ that is exact; any other template or message is rendered by the template itself)
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -286,10 +287,22 @@ def _encode(texts: list[str], tokenizer: Any) -> list[tuple[list[int], list[tupl
 
 
 def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for tokens starting inside a span. Offsets and spans both increase, so one walk suffices."""
-    mask = [0] * len(offsets)
+    """1 for tokens starting inside a span. Spans increase and do not overlap; the token starts almost always
+    increase too, and then each span is two bisections and a slice (no Python loop over the tokens)."""
+    starts = [start for start, _end in offsets]
+    if starts != sorted(starts):
+        return _mask_by_walk(starts, spans)
+    mask = [0] * len(starts)
+    for first, end in spans:
+        low, high = bisect.bisect_left(starts, first), bisect.bisect_left(starts, end)
+        mask[low:high] = [1] * (high - low)
+    return mask
+
+
+def _mask_by_walk(starts: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    mask = [0] * len(starts)
     span_index = 0
-    for position, (start, _end) in enumerate(offsets):
+    for position, start in enumerate(starts):
         while span_index < len(spans) and start >= spans[span_index][1]:
             span_index += 1
         if span_index == len(spans):
