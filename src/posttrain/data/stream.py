@@ -47,7 +47,6 @@ import math
 import os
 import pickle
 import tempfile
-import weakref
 from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
@@ -165,15 +164,14 @@ class StreamStats:
 
 class TokenSpill:
     """The tokenized samples of one reading pass, on disk: a chunk at a time in, the same samples in the same
-    order out, as often as asked (each `__iter__` opens the file anew, so epochs can be read side by side).
-    Per chunk: the lengths, the ids (int32) and masks (uint8) concatenated, the metadata and truncation flags.
-    The file is deleted when the spill is (or at exit)."""
+    order out, as often as asked. Per chunk: the lengths, the ids (int32) and masks (uint8) concatenated, the
+    metadata fields and truncation flags. The file is an anonymous temporary file (`tempfile.TemporaryFile`,
+    in `TMPDIR`): it has no name once created, so it is gone when the spill is, even if the process is killed.
+    Each iterator keeps its own offset into the one handle, so epochs can be read side by side."""
 
     def __init__(self) -> None:
-        handle = tempfile.NamedTemporaryFile(prefix="posttrain-stream-", suffix=".spill", delete=False)
-        self.path, self._writer = handle.name, handle
+        self._file = tempfile.TemporaryFile(prefix="posttrain-stream-")
         self.samples = self.nbytes = 0
-        self._finalizer = weakref.finalize(self, _remove, handle, handle.name)
 
     def write(self, samples: list[TokenizedSample]) -> None:
         if not samples:
@@ -182,41 +180,33 @@ class TokenSpill:
         for sample in samples:  # array.extend from a list runs in C
             ids.extend(sample.input_ids)
             mask.extend(sample.loss_mask)
-        fields = [astuple_shallow(s.metadata) for s in samples]  # tuples unpickle ~10x faster than dataclasses
+        fields = [astuple_shallow(s.metadata) for s in samples]  # tuples unpickle faster than dataclasses
         chunk = (lengths.tobytes(), ids.tobytes(), mask.tobytes(), fields, [s.truncated for s in samples])
-        pickle.dump(chunk, self._writer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
         self.samples += len(samples)
 
     def close(self) -> None:
-        self._writer.close()
-        self.nbytes = os.path.getsize(self.path)
+        """Writing is done: the spill is read from now on."""
+        self._file.flush()
+        self.nbytes = self._file.tell()
 
     def __iter__(self) -> Iterator[TokenizedSample]:
-        with open(self.path, "rb") as handle:
-            while True:
-                try:
-                    lengths, ids, mask, metadata, truncated = pickle.load(handle)
-                except EOFError:
-                    return
-                ids_list, mask_list = array("i", ids).tolist(), array("B", mask).tolist()
-                start = 0
-                for length, meta, cut in zip(array("q", lengths).tolist(), metadata, truncated):
-                    end = start + length
-                    yield TokenizedSample(ids_list[start:end], mask_list[start:end], SampleMetadata(*meta), cut)
-                    start = end
+        offset = 0
+        while offset < self.nbytes:
+            self._file.seek(offset)
+            lengths, ids, mask, metadata, truncated = pickle.load(self._file)
+            offset = self._file.tell()
+            ids_list, mask_list = array("i", ids).tolist(), array("B", mask).tolist()
+            start = 0
+            for length, meta, cut in zip(array("q", lengths).tolist(), metadata, truncated):
+                end = start + length
+                yield TokenizedSample(ids_list[start:end], mask_list[start:end], SampleMetadata(*meta), cut)
+                start = end
 
 
 def astuple_shallow(metadata: SampleMetadata) -> tuple:
     """The fields of `metadata` in order (`SampleMetadata(*fields)` rebuilds it; extras shared, not copied)."""
     return tuple(getattr(metadata, f.name) for f in fields(metadata))
-
-
-def _remove(handle: Any, path: str) -> None:
-    handle.close()
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog | None,
