@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 
@@ -173,3 +174,78 @@ def test_training_streams_each_epoch_once_and_ends_it_without_counting(tmp_path,
     with pytest.raises(DataError, match="no training sample left"):
         empty = write(tmp_path / "empty.jsonl", [chat("what is 1+1?", "2")])
         prepare_sft_data(config([empty], streaming=True, heldout_fraction=0.99), tokenizer, seed=0).epoch_rows(0)[0:1]
+
+
+def test_list_of_parts_content_streams_as_its_joined_text(tmp_path, tokenizer):
+    """OpenAI list-of-parts contents (text parts joined with a newline) give the rows the same chats written
+    as strings give, streamed (twice: a re-streamed epoch) and in memory."""
+    def parts(record):
+        record = json.loads(json.dumps(record))
+        for message in record["messages"]:
+            text = message["content"]
+            message["content"] = [{"type": "text", "text": piece} for piece in text.split("\n")]
+        return record
+
+    plain = [chat(f"what is {i}+{i}?\nword{i}", str(2 * i)) for i in range(60)]
+    as_parts = write(tmp_path / "parts.jsonl", [parts(r) for r in plain])
+    as_text = write(tmp_path / "text.jsonl", plain)
+    expected = list(prepare_sft_data(config([as_text], streaming=True), tokenizer, seed=0).iter_rows(0))
+    streamed = prepare_sft_data(config([as_parts], streaming=True), tokenizer, seed=0)
+    assert list(streamed.iter_rows(0)) == expected and list(streamed.iter_rows(0)) == expected
+    memory = prepare_sft_data(config([as_parts]), tokenizer, seed=0)
+    assert documents(memory.epoch_rows(0)) == documents(expected)
+
+
+def _mixed_run(tmp_path, tokenizer, monkeypatch):
+    """A mixed run with every per-file step on: duplicates, a bad line skipped, held-out split, decontamination."""
+    from posttrain.data import stream as stream_module
+
+    reads = []
+    real = stream_module.iter_samples
+    monkeypatch.setattr(stream_module, "iter_samples", lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+    records = [chat(f"what is {i}+{i}? {d}", f"{d}{2 * i}", d) for i in range(120) for d in ("a", "b", "c")]
+    path = write(tmp_path / "train.jsonl", records + records[:30])
+    with open(path, "a") as handle:
+        handle.write("not json\n")
+    evals = write(tmp_path / "eval.jsonl", [chat("what is 7+7? a", "a14")])
+    mix = {"by": ["domain"], "weights": {"a": 3, "b": 1, "c": 0}, "samples_per_epoch": 300}
+    data = prepare_sft_data(config([path], streaming=True, heldout_fraction=0.1, on_invalid="skip", mix=mix,
+                                   decontaminate={"against": [{"path": str(evals)}]}),
+                            tokenizer, seed=5, rejects_dir=tmp_path)
+    return data, reads
+
+
+def test_a_mixed_run_reads_each_file_once_and_packs_the_rows_the_two_pass_pipeline_did(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    """The reading pass that counts the mix groups also tokenizes into the spill the epochs are mixed from: the
+    file is read once for preparing and two epochs (before: a survey pass, one per epoch, one for the held-out
+    split), and the rows of epochs 0 and 1 are those the two-pass pipeline gave (its digest, recorded before
+    the change), with the same counts, held-out samples and rejects."""
+    data, reads = _mixed_run(tmp_path, tokenizer, monkeypatch)
+    rows = [[r.input_ids, r.loss_mask, r.position_ids, r.document_ids] for e in (0, 1) for r in data.iter_rows(e)]
+    assert reads == [1]
+    assert len(rows) == 200 and hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == "3ede50a43d7069f8"
+    report = data.report
+    assert (report["heldout_split"], report["decontaminated"], report["mixed_out"], report["samples"],
+            report["rows"]) == (33, 1, 111, 300, 99)
+    assert report["dedup"]["exact_duplicates"] == 30 and report["dedup"]["rejected"] == 1
+    assert report["mix_rates"] == {"a": 2.142857, "b": 0.681818, "c": 0.0} and len(data.heldout) == 33
+    assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 1  # written once, not once per epoch
+    assert report["spill"]["samples"] == 360 - 33 - 1 and report["spill"]["bytes"] > 0
+
+
+def test_the_spill_gives_the_rows_streaming_from_the_file_gives(tmp_path, tokenizer):
+    """Weights that keep every sample once (rate 1 per group) mix from the spill exactly as an unmixed run mixes
+    straight from the file (the same random draws): the spill holds the same samples in the same order."""
+    path = write(tmp_path / "train.jsonl", [chat(f"{d} q{i}", f"{d}{i}", d) for i in range(200) for d in "ab"])
+    plain = prepare_sft_data(config([path], streaming=True), tokenizer, seed=2)
+    spilled = prepare_sft_data(config([path], streaming=True, mix={"by": ["domain"], "weights": {"a": 1, "b": 1}}),
+                               tokenizer, seed=2)
+    assert spilled.spill is not None and plain.spill is None and spilled.rates == {"a": 1.0, "b": 1.0}
+    for epoch in (0, 3):
+        assert list(spilled.iter_rows(epoch)) == list(plain.iter_rows(epoch))
+    expected = list(plain.iter_rows(0))
+    rows = spilled.epoch_rows(0)
+    first = rows[0:3]
+    assert list(spilled.iter_rows(0)) == expected  # a second reader of the spill while the first is mid-way
+    assert first + rows[3:5] == expected[:5]

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain.data import (
     DataError,
+    assistant_spans,
     SampleMetadata,
     SFTSample,
     conversation_for_training,
@@ -19,6 +20,12 @@ from posttrain.models import train_tokenizer
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Reads a list-of-parts content itself (as multimodal templates do).
+READS_PARTS = (
+    "{% for message in messages %}[{{ message['role'] }}]{% if message['content'] is string %}"
+    "{{ message['content'] }} {% else %}{% for part in message['content'] %}{{ part['text'] }} {% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
 )
 # Its generation prompt is not how it renders a reply's start: no reply can be located after the prompt.
 PROMPT_CHANGES = (
@@ -134,3 +141,19 @@ def test_batch_tokenization_is_fast_and_equals_one_by_one(tokenizer):
     for index in (0, 1234, 3999):
         single = tokenize_sample(samples[index], tokenizer, max_length=128)
         assert (single.input_ids, single.loss_mask) == (result.samples[index].input_ids, result.samples[index].loss_mask)
+
+
+def test_a_sample_built_in_code_with_list_of_parts_content_renders_as_its_joined_text(tokenizer):
+    """A sample that was never read from a file (a task's messages, a library caller's) may keep OpenAI parts:
+    it tokenizes as the readers' joined text would, a non-text part is a DataError naming the message, and
+    `assistant_spans` (which hands contents to the template as they are) takes such a message too."""
+    parts = [{"type": "text", "text": "12+34="}, {"type": "text", "text": "Add."}]
+    built = SFTSample([{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": "46"}]}])
+    joined = SFTSample(two_turns("12+34=\nAdd.", "46"))
+    assert tokenize_sample(built, tokenizer, 64) == tokenize_sample(joined, tokenizer, 64)
+    image = SFTSample([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                       {"role": "assistant", "content": "46"}], SampleMetadata(source="mine"))
+    with pytest.raises(DataError, match=r"messages\[0\]\.content\[0\].*image_url"):
+        tokenize_samples([image], tokenizer, 64)
+    [(text, spans)] = assistant_spans(built.messages, with_template(tokenizer, READS_PARTS))
+    assert text == "[user]12+34= Add. [assistant]46 " and text[spans[0][0]:spans[0][1]] == "46 "

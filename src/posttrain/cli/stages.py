@@ -49,7 +49,7 @@ def dpo(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, DPORecipe)
     result = run_dpo(recipe, resume=args.resume)
     say(
-        f"[dpo] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s; reference "
+        f"[dpo] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.1f} pairs/s; reference "
         f"log-probs {result.reference_seconds:.0f}s), train loss {result.train_loss:.4f}"
         + _heldout_line(result.heldout_start, result.heldout, "preference_accuracy", "loss")
         + f"\n[dpo] model: {result.final_dir}"
@@ -64,7 +64,7 @@ def rm(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_path(args.recipe), args.overrides, RMRecipe)
     result = run_rm(recipe, resume=args.resume)
     say(
-        f"[rm] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.0f} pairs/s), "
+        f"[rm] done: {result.steps} steps in {result.seconds:.0f}s ({result.pairs_per_s:,.1f} pairs/s), "
         f"train loss {result.train_loss:.4f}" + _heldout_line(result.heldout_start, result.heldout, "accuracy", "loss")
         + f"\n[rm] reward model: {result.final_dir} (an AutoModelForSequenceClassification; score it with "
           "posttrain.models.load_reward_model)"

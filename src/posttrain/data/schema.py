@@ -116,7 +116,7 @@ def _validate_message(message: Any, where: str) -> Message:
     if content is None and not tool_calls:
         raise RecordError(f"{where}.content", "missing")
     if isinstance(content, list):
-        content = _text_of_parts(content, f"{where}.content")
+        content = text_of_parts(content, f"{where}.content")
     if content is not None and not isinstance(content, str):
         raise RecordError(f"{where}.content", f"expected a string or a list of text parts, got "
                           f"{type(content).__name__}")
@@ -136,7 +136,8 @@ def _validate_message(message: Any, where: str) -> Message:
     return clean
 
 
-def _text_of_parts(parts: list[Any], where: str) -> str:
+def text_of_parts(parts: list[Any], where: str) -> str:
+    """The text parts of a list-of-parts content joined with a newline; any other part a `RecordError` at `where`."""
     texts = []
     for j, part in enumerate(parts):
         if isinstance(part, str):

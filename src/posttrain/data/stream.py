@@ -21,12 +21,14 @@ What stays in memory, and why it is bounded (docs/data.md has the figures):
 * held-out: `heldout_fraction` by the stable prompt hash (no state); given held-out sources are read into
   memory (they are small) and their prompts kept in a set.
 * mixing: the in-memory `mix`'s counts per group (weights over `mix.by` groups, `samples_per_epoch`),
-  reached by rates: a first pass (the survey) counts the samples available per group, and in every epoch
-  each sample of group g is used rate_g = count_g / available_g times in expectation (floor(rate) copies,
-  one more with probability rate - floor(rate); weight 0 drops the group). The counts are exact in
+  reached by rates. A mixed run reads its files once (`StreamingSFTData._read_into_spill`): read, dedup,
+  held-out split, decontamination and tokenization, counting the samples available per group, into a
+  `TokenSpill` (a temporary file: ids, masks and metadata; disk, not memory). In every epoch each sample of
+  group g, read back from the spill, is used rate_g = count_g / available_g times in expectation (floor(rate)
+  copies, one more with probability rate - floor(rate); weight 0 drops the group). The counts are exact in
   expectation rather than exactly; the order is the sources' order shuffled within a buffer of
-  `stream.mix_buffer` samples (shuffle a sorted file beforehand). With no `mix.by` and no
-  `samples_per_epoch` every sample is used once and the survey is skipped.
+  `stream.mix_buffer` samples (shuffle a sorted file beforehand). With no `mix.by`, weights or
+  `samples_per_epoch` every sample is used once, there is no spill and each epoch streams from the files.
 * packing: best-fit decreasing within windows of `stream.pack_window` samples, rows shuffled per window.
 
 Everything depends only on (seed, epoch), so an epoch re-streams identically: the trainer's cursor
@@ -34,15 +36,19 @@ Everything depends only on (seed, epoch), so an epoch re-streams identically: th
 forward slices and its end is the slice that comes back empty (`RowStream.known_length` is set then). Only a
 caller that needs the number before training (`train.epochs` with no `train.max_steps`, to size the LR
 schedule; `posttrain validate`) asks for it, with `RowStream.count()`: one streaming pass, cached.
-The held-out samples `heldout_fraction` splits off are collected by reading (not tokenizing) only until
-`stream.heldout_max` of them are found; the report's counts are the training pass's, as far as it has read.
+The held-out samples `heldout_fraction` splits off are collected by the spill's pass, or, unmixed, by reading (not
+tokenizing) only until `stream.heldout_max` of them are found; the report's counts are the training pass's, as far as it has read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+import os
+import pickle
+import tempfile
+from array import array
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
 import numpy as np
@@ -54,7 +60,7 @@ from posttrain.data.dedup import _MINHASH_SEED, _shingles, conversation_text
 from posttrain.data.mixing import _apportion, _weights, group_name
 from posttrain.data.packing import Row, _best_fit_decreasing, _make_row, build_epoch
 from posttrain.data.readers import RejectLog, iter_samples
-from posttrain.data.schema import DataError, SFTSample
+from posttrain.data.schema import DataError, SampleMetadata, SFTSample
 from posttrain.data.split import prompt_fraction
 from posttrain.data.tokenize import TokenizedSample, tokenize_samples
 
@@ -156,6 +162,53 @@ class StreamStats:
         return dict(self.__dict__)
 
 
+class TokenSpill:
+    """The tokenized samples of one reading pass, on disk: a chunk at a time in, the same samples in the same
+    order out, as often as asked. Per chunk: the lengths, the ids (int32) and masks (uint8) concatenated, the
+    metadata fields and truncation flags. The file is an anonymous temporary file (`tempfile.TemporaryFile`,
+    in `TMPDIR`): it has no name once created, so it is gone when the spill is, even if the process is killed.
+    Each iterator keeps its own offset into the one handle, so epochs can be read side by side."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="posttrain-stream-")
+        self.samples = self.nbytes = 0
+
+    def write(self, samples: list[TokenizedSample]) -> None:
+        if not samples:
+            return
+        lengths, ids, mask = array("q", [len(s) for s in samples]), array("i"), array("B")
+        for sample in samples:  # array.extend from a list runs in C
+            ids.extend(sample.input_ids)
+            mask.extend(sample.loss_mask)
+        fields = [astuple_shallow(s.metadata) for s in samples]  # tuples unpickle faster than dataclasses
+        chunk = (lengths.tobytes(), ids.tobytes(), mask.tobytes(), fields, [s.truncated for s in samples])
+        pickle.dump(chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.samples += len(samples)
+
+    def close(self) -> None:
+        """Writing is done: the spill is read from now on."""
+        self._file.flush()
+        self.nbytes = self._file.tell()
+
+    def __iter__(self) -> Iterator[TokenizedSample]:
+        offset = 0
+        while offset < self.nbytes:
+            self._file.seek(offset)
+            lengths, ids, mask, metadata, truncated = pickle.load(self._file)
+            offset = self._file.tell()
+            ids_list, mask_list = array("i", ids).tolist(), array("B", mask).tolist()
+            start = 0
+            for length, meta, cut in zip(array("q", lengths).tolist(), metadata, truncated):
+                end = start + length
+                yield TokenizedSample(ids_list[start:end], mask_list[start:end], SampleMetadata(*meta), cut)
+                start = end
+
+
+def astuple_shallow(metadata: SampleMetadata) -> tuple:
+    """The fields of `metadata` in order (`SampleMetadata(*fields)` rebuilds it; extras shared, not copied)."""
+    return tuple(getattr(metadata, f.name) for f in fields(metadata))
+
+
 def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog | None,
                    heldout_prompts: set[str], heldout_sink: list[SFTSample] | None = None) -> Iterator[SFTSample]:
     """Train samples of every source in turn: read, deduplicated, held-out split off (the first
@@ -182,8 +235,10 @@ def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog
 
 
 def stream_tokenized(config: SFTDataConfig, tokenizer: Any, samples: Iterator[SFTSample], stats: StreamStats,
-                     decontaminator: Decontaminator | None) -> Iterator[TokenizedSample]:
-    """Decontaminated and tokenized a chunk at a time (one batched tokenizer call per chunk)."""
+                     decontaminator: Decontaminator | None,
+                     available: dict[str, int] | None = None) -> Iterator[TokenizedSample]:
+    """Decontaminated and tokenized a chunk at a time (one batched tokenizer call per chunk); `available`, if
+    given, counts the samples of each mix group that decontamination keeps (what the mix rates are made of)."""
     chunk: list[SFTSample] = []
 
     def flush() -> list[TokenizedSample]:
@@ -192,6 +247,10 @@ def stream_tokenized(config: SFTDataConfig, tokenizer: Any, samples: Iterator[SF
             result = decontaminator.check(chunk)
             stats.decontaminated += len(chunk) - len(result.samples)
             kept = result.samples
+        if available is not None:
+            for sample in kept:
+                name = group_name(sample.metadata, config.mix.by)
+                available[name] = available.get(name, 0) + 1
         tokenized = tokenize_samples(kept, tokenizer, config.max_length, config.reasoning)
         stats.truncated += tokenized.truncated
         stats.dropped += tokenized.dropped
@@ -327,9 +386,13 @@ class StreamingSFTData:
         self._counts: dict[int, int] = {}
         self._rejects_written = 0  # every pass meets the same rejects in the same order: written once
         self.rates: dict[str, float] | None = None
+        self.spill: TokenSpill | None = None  # a mixed run's tokenized samples, read once (`_read_into_spill`)
+        self._spill_stats = StreamStats()
+        self._split_off: list[SFTSample] | None = None
         if config.mix.by or config.mix.samples_per_epoch or config.mix.weights:
-            self.rates = mix_rates(config, self.survey())
+            self.rates = mix_rates(config, self._read_into_spill())
             self._report["mix_rates"] = {name: round(rate, 6) for name, rate in self.rates.items()}
+            self._report["spill"] = {"samples": self.spill.samples, "bytes": self.spill.nbytes}
 
     @property
     def report(self) -> dict[str, Any]:
@@ -350,13 +413,21 @@ class StreamingSFTData:
         stats = stats if stats is not None else StreamStats()
         rng = np.random.default_rng([self.seed % (1 << 64), epoch % (1 << 64), 0x57AE])
         rejects = None
-        if self.config.on_invalid == "skip":
+        if self.config.on_invalid == "skip" and self.spill is None:
             rejects = RejectLog(self.rejects_path, already_written=self._rejects_written)
         if not self._report["read_to_end"]:
             self._live = (stats, epoch)
         try:
-            samples = stream_samples(self.config, stats, rejects, self.heldout_prompts)
-            tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
+            if self.spill is not None:  # read, deduplicated and tokenized once, in `_read_into_spill`
+                read = self._spill_stats
+                stats.read, stats.dedup = dict(read.read), dict(read.dedup)
+                for name in ("heldout_split", "heldout_prompt_overlap_removed", "decontaminated", "truncated",
+                             "dropped"):
+                    setattr(stats, name, getattr(read, name))
+                tokenized: Iterator[TokenizedSample] = iter(self.spill)
+            else:
+                samples = stream_samples(self.config, stats, rejects, self.heldout_prompts)
+                tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
             mixed = stream_mixed(self.config, tokenized, rng, stats, self.rates)
             yield from stream_packed(self.config, mixed, rng, stats)
         finally:
@@ -372,25 +443,32 @@ class StreamingSFTData:
             self._live = None
             self._report.update(stats.report(), epoch=epoch, read_to_end=True)
 
-    def survey(self) -> dict[str, int]:
-        """Samples available per mix group after dedup, the held-out split and decontamination (one pass,
-        without tokenizing)."""
-        available: dict[str, int] = {}
-        chunk: list[SFTSample] = []
-
-        def count() -> None:
-            kept = self.decontaminator.check(chunk).samples if self.decontaminator is not None else chunk
-            for sample in kept:
-                name = group_name(sample.metadata, self.config.mix.by)
-                available[name] = available.get(name, 0) + 1
-
-        rejects = RejectLog(None) if self.config.on_invalid == "skip" else None  # reported by the first pass
-        for sample in stream_samples(self.config, StreamStats(), rejects, self.heldout_prompts):
-            chunk.append(sample)
-            if len(chunk) >= self.config.stream.chunk_samples:
-                count()
-                chunk = []
-        count()
+    def _read_into_spill(self) -> dict[str, int]:
+        """The one reading pass of a mixed run: every train sample read, deduplicated, held-out split off,
+        decontaminated and tokenized into `self.spill`, counting the samples available per mix group (after
+        decontamination, before tokenization: the rates' denominators). The epochs then mix and pack from the
+        spill; its counts (read, dedup, rejects, held-out split, ...) are every epoch's."""
+        stats, available = self._spill_stats, {}
+        if not self.heldout_prompts and self.config.heldout_fraction > 0:
+            self._split_off = []
+        rejects = RejectLog(self.rejects_path) if self.config.on_invalid == "skip" else None
+        self.spill = TokenSpill()
+        try:
+            samples = stream_samples(self.config, stats, rejects, self.heldout_prompts, self._split_off)
+            tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator,
+                                         available)
+            chunk: list[TokenizedSample] = []
+            for item in tokenized:
+                chunk.append(item)
+                if len(chunk) >= self.config.stream.chunk_samples:
+                    self.spill.write(chunk)
+                    chunk = []
+            self.spill.write(chunk)
+        finally:
+            self.spill.close()
+            if rejects is not None:
+                rejects.close()
+                stats.dedup["rejected"] = self._rejects_written = rejects.count
         return available
 
     def count_rows(self, epoch: int) -> int:
@@ -408,6 +486,8 @@ class StreamingSFTData:
         """The samples `heldout_fraction` splits off, the first `stream.heldout_max` of them: a pass that reads
         and deduplicates (dedup decides each sample from those before it, so a prefix decides as the whole
         pass does) and stops once it has them."""
+        if self._split_off is not None:  # collected by the reading pass
+            return self._split_off
         split_off: list[SFTSample] = []
         rejects = RejectLog(None) if self.config.on_invalid == "skip" else None
         for _ in stream_samples(self.config, StreamStats(), rejects, self.heldout_prompts, split_off):

@@ -36,13 +36,14 @@ that is exact; any other template or message is rendered by the template itself)
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 from posttrain.chat import ChatTemplateError, require_prefix
 from posttrain.chat import render_chat as _render_chat
-from posttrain.data.schema import DataError, SampleMetadata, SFTSample
+from posttrain.data.schema import DataError, RecordError, SampleMetadata, SFTSample, text_of_parts
 from posttrain.data.skeleton import Skeletons
 from posttrain.types import Message
 
@@ -153,8 +154,11 @@ def prompt_ids(tokenizer: Any, conversations: Sequence[Sequence[Message]],
 
 
 def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[Message]:
-    """The messages as the template will see them: the reasoning trace put into (or left out of) the last reply."""
-    messages = list(sample.messages)
+    """The messages as the template will see them: a content given as a list of text parts joined as the readers
+    join it (`schema.text_of_parts`; a sample built in code need not have been read), and the reasoning trace put
+    into (or left out of) the last reply."""
+    messages = [_with_text_content(m, i) if isinstance(m.get("content"), list) else m
+                for i, m in enumerate(sample.messages)]
     trace = sample.metadata.reasoning_trace
     if reasoning == "include" and trace:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -162,6 +166,13 @@ def conversation_for_training(sample: SFTSample, reasoning: Reasoning) -> list[M
         reply["content"] = f"{THINK_OPEN}{trace}{THINK_CLOSE}{reply.get('content') or ''}"
         messages[last] = reply
     return messages
+
+
+def _with_text_content(message: Message, index: int) -> Message:
+    try:
+        return {**message, "content": text_of_parts(message["content"], f"messages[{index}].content")}
+    except RecordError as error:
+        raise DataError(str(error)) from None
 
 
 def assistant_spans(
@@ -234,10 +245,13 @@ class _Renderer:
 
 
 def _message_key(message: Message) -> tuple:
+    """What a rendering depends on in `message`, hashable: a content that is not a string (a list of parts passed
+    to `assistant_spans` as it is, for the template to read) is keyed by its JSON."""
     calls = message.get("tool_calls")
+    content = message.get("content")
     return (
         message["role"],
-        message.get("content"),
+        content if content is None or isinstance(content, str) else json.dumps(content, sort_keys=True, default=str),
         json.dumps(calls, sort_keys=True) if calls else None,
         message.get("name"),
         message.get("tool_call_id"),
@@ -247,8 +261,8 @@ def _message_key(message: Message) -> tuple:
 def _render_sample(
     sample: SFTSample, renderer: _Renderer, reasoning: Reasoning, index: int, trained_from: int
 ) -> list[tuple[str, list[tuple[int, int]]]]:
-    messages = conversation_for_training(sample, reasoning)
     try:
+        messages = conversation_for_training(sample, reasoning)
         return renderer.sequences(messages, sample.metadata.extras.get("tools"), trained_from)
     except DataError as error:
         where = sample.metadata.origin or f"sample {index} (source {sample.metadata.source})"
@@ -273,10 +287,22 @@ def _encode(texts: list[str], tokenizer: Any) -> list[tuple[list[int], list[tupl
 
 
 def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for tokens starting inside a span. Offsets and spans both increase, so one walk suffices."""
-    mask = [0] * len(offsets)
+    """1 for tokens starting inside a span. Spans increase and do not overlap; the token starts almost always
+    increase too, and then each span is two bisections and a slice (no Python loop over the tokens)."""
+    starts = [start for start, _end in offsets]
+    if starts != sorted(starts):
+        return _mask_by_walk(starts, spans)
+    mask = [0] * len(starts)
+    for first, end in spans:
+        low, high = bisect.bisect_left(starts, first), bisect.bisect_left(starts, end)
+        mask[low:high] = [1] * (high - low)
+    return mask
+
+
+def _mask_by_walk(starts: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    mask = [0] * len(starts)
     span_index = 0
-    for position, (start, _end) in enumerate(offsets):
+    for position, start in enumerate(starts):
         while span_index < len(spans) and start >= spans[span_index][1]:
             span_index += 1
         if span_index == len(spans):

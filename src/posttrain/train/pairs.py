@@ -150,5 +150,5 @@ def train_on_pairs(
         scheduler=scheduler, tracker=tracker, save=save, evaluate=log_heldout if evaluate is not None else None,
         on_step=on_step, rate_name="pairs_per_s",
         progress=lambda m: (f"loss {m['train/loss']:.4f} acc {m['train/accuracy']:.2f} "
-                            f"{m['train/pairs_per_s']:,.0f} pairs/s"),
+                            f"{m['train/pairs_per_s']:,.1f} pairs/s"),
     )
