@@ -10,7 +10,7 @@ import textwrap
 import threading
 
 import pytest
-from test_envs_scripted import ScriptedEngine
+from test_envs_scripted import GatedPolicy, ScriptedEngine
 from test_envs_tools import needs_bwrap
 
 from posttrain.envs import EndpointLimits, RecordingEndpoint, as_policy, rollout_episode
@@ -195,6 +195,30 @@ def test_shipped_agent_runs_the_policys_tool_calls_and_is_judged_on_its_answer(t
     assert (report["calls"], report["segments"], trajectory.steps) == (2, 1, 2)
     assert [m["role"] for m in trajectory.messages] == ["user", "assistant", "tool", "assistant"]
     assert trajectory.messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+
+
+@needs_bwrap
+@pytest.mark.bwrap
+def test_agents_wait_on_the_model_together_in_jails_of_their_own(tiny_tokenizer):
+    """`jails: 6`: six episodes of the shipped plain-HTTP agent have their calls waiting on the policy at once (the
+    shared pool has a slot per CPU, so without the option only that many could), each judged by its task."""
+    from pathlib import Path
+
+    from posttrain.envs import rollout_many
+    from posttrain.tasks import TaskError, get_domain, sample_tasks
+
+    recipes = Path(__file__).resolve().parents[1] / "src" / "posttrain" / "recipes"
+    inner = {"name": "verifiers", "args": {"taskset": str(recipes / "env_digits.py"), "pass_threshold": 1.0}}
+    domain = get_domain("agent", command=["{python}", str(recipes / "data" / "http_agent.py")], tasks=inner,
+                        max_calls=1, jails=6)
+    tasks = sample_tasks(domain, 6, level=1, seed=0)
+    policy = GatedPolicy(ScriptedEngine(tiny_tokenizer, ["123" + END]), expected=6, patience_s=120.0)
+    trajectories = asyncio.run(rollout_many(policy, tasks, tiny_tokenizer, SAMPLING))
+    assert policy.gate.is_set() and policy.waiting_when_opened == 6
+    assert all(t.reward.passed and t.metadata["agent"]["calls"] == 1 for t in trajectories), [
+        (t.reward, t.metadata.get("agent")) for t in trajectories]
+    with pytest.raises(TaskError, match="jails must be a positive integer"):
+        get_domain("agent", command=["{python}", str(recipes / "data" / "http_agent.py")], tasks=inner, jails=0)
 
 
 # An agent that rewrites its history: the first exchange is replaced by a summary (a new segment), which the next

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
-from test_envs_scripted import ScriptedEngine, SlowAsyncPolicy
+from test_envs_scripted import GatedPolicy, ScriptedEngine, SlowAsyncPolicy
 
 from posttrain.envs import (
     EnvError,
@@ -261,16 +262,25 @@ def test_step_cost_is_a_reward_component(tiny_tokenizer, calc_task):
 def test_many_episodes_run_concurrently_in_one_event_loop(tiny_tokenizer):
     tasks = sample_tasks(get_domain("calculator"), 20, level=1, seed=2)
     scripts = {t.id: [call("calculator", expression=t.metadata["expression"]), answer_of(t) + END] for t in tasks}
-    policy = SlowAsyncPolicy(ScriptedEngine(tiny_tokenizer, scripts), delay_s=0.05)
-    started = time.monotonic()
+    policy = GatedPolicy(ScriptedEngine(tiny_tokenizer, scripts), expected=80)
     trajectories = asyncio.run(rollout_many(policy, tasks, tiny_tokenizer, SAMPLING, n=4))
-    elapsed = time.monotonic() - started
     assert len(trajectories) == 80 and all(t.reward.passed for t in trajectories)
-    assert policy.max_in_flight == 80  # every episode waited on the engine at the same time
-    assert elapsed < 80 * 2 * 0.05 / 4  # far from the 8 s a sequential loop would take
+    # Every episode waited on the engine at the same time: all 80 had started before any reached its last turn.
+    assert policy.gate.is_set() and policy.waiting_when_opened == 80
+    kinds = [kind for kind, _ in policy.events]
+    assert kinds == ["start"] * 80 + ["end"] * 80
+    assert Counter(policy.events) == {(kind, t.id): 4 for t in tasks for kind in ("start", "end")}  # 4 a group
     assert [t.task_id for t in trajectories[:4]] == [tasks[0].id] * 4 and len({t.group_id for t in trajectories}) == 20
     stats = rollout_stats(trajectories)
     assert stats["episodes"] == 80 and stats["passed"] == 80 and stats["tool_calls_ok"] == 80
+
+
+def test_episodes_run_one_at_a_time_do_not_open_the_gate(tiny_tokenizer, calc_task):
+    """The check above fails for a loop that runs episodes serially (here: one episode at a time)."""
+    script = [call("calculator", expression=calc_task.metadata["expression"]), answer_of(calc_task) + END]
+    policy = GatedPolicy(ScriptedEngine(tiny_tokenizer, script), expected=2, patience_s=0.2)
+    trajectories = asyncio.run(rollout_many(policy, [calc_task] * 2, tiny_tokenizer, SAMPLING, max_concurrency=1))
+    assert not policy.gate.is_set() and all(t.reward.is_infrastructure_failure for t in trajectories)
 
 
 def test_bounded_concurrency_and_groups(tiny_tokenizer, calc_task):

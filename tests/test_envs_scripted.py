@@ -80,6 +80,35 @@ class SlowAsyncPolicy:
             self.in_flight -= 1
 
 
+class GatedPolicy:
+    """An async policy whose first call of each episode is held until `expected` calls are waiting on it at once:
+    a loop that runs episodes concurrently fills the gate, one that runs them one after another never does (its
+    first episode waits the gate's whole `patience_s`, then fails). No wall-clock bound, so load cannot fail it."""
+
+    def __init__(self, engine: ScriptedEngine, expected: int, patience_s: float = 60.0):
+        self.engine, self.expected, self.patience_s = engine, expected, patience_s
+        self.gate = asyncio.Event()
+        self.in_flight = 0
+        self.waiting_when_opened = 0
+        self.events: list[tuple[str, str]] = []  # ("start" | "end", task id), in the order they happened
+
+    async def generate(self, request, sampling):
+        task_id, turn = request.request_id.rsplit(":", 1)
+        self.in_flight += 1
+        try:
+            if turn == "0":
+                self.events.append(("start", task_id))
+                if self.in_flight >= self.expected and not self.gate.is_set():
+                    self.waiting_when_opened = self.in_flight
+                    self.gate.set()
+                await asyncio.wait_for(self.gate.wait(), self.patience_s)
+            else:
+                self.events.append(("end", task_id))
+            return self.engine.generate([request], sampling)[0]
+        finally:
+            self.in_flight -= 1
+
+
 def demo_turns(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[str]:
     """The text of every assistant turn of `messages` as the chat template renders it (what SFT teaches)."""
     turns = []

@@ -95,11 +95,36 @@ SLOW = PROGRESS.replace("import verifiers.v1 as vf",
     "    async def correct(self, trace: vf.Trace) -> float:\n"
     "        await asyncio.sleep(DELAYS.get(trace.num_turns, 0.0))\n").replace("ProgressTaskset", "SlowTaskset")
 
+# Rubrics that block the thread they run on until the test releases them (or a minute passes): a sync @vf.reward,
+# and an async one that calls a blocking function -- neither lets an event loop's timer fire.
+HUNG = """
+import threading
+import verifiers.v1 as vf
+
+RELEASE = threading.Event()
+RUNNING = []
+
+class HungTask(vf.Task[vf.TaskData]):
+    @vf.reward(weight=1.0)
+    {kind}def digits(self, trace: vf.Trace) -> float:
+        RUNNING.append(threading.current_thread())
+        RELEASE.wait(60.0)
+        return 1.0
+
+class HungTaskset(vf.Taskset[HungTask, vf.TasksetConfig]):
+    def load(self):
+        return [HungTask(vf.TaskData(prompt=f"Reply with digits only (#{{i}}).")) for i in range(4)]
+
+__all__ = ["HungTaskset"]
+"""
+
 
 @pytest.fixture(autouse=True)
 def tasksets(tmp_path, monkeypatch):
     for name, source in {"vf_sum_tasks": SINGLE_TURN, "vf_product_tasks": TOOLS, "vf_broken_tasks": BROKEN,
-                         "vf_progress_tasks": PROGRESS, "vf_slow_tasks": SLOW}.items():
+                         "vf_progress_tasks": PROGRESS, "vf_slow_tasks": SLOW,
+                         "vf_hung_sync_tasks": HUNG.format(kind=""),
+                         "vf_hung_async_tasks": HUNG.format(kind="async ")}.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -207,6 +232,30 @@ def test_a_rubric_that_crashes_is_an_infrastructure_failure(tiny_tokenizer):
     trajectory, _ = run(task, tiny_tokenizer, ["7" + END])
     assert trajectory.reward.failure is FailureClass.INFRA and sum(trajectory.loss_mask) == 0
     assert "judge service is down" in trajectory.reward.details["error"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_rubric_that_blocks_its_thread_is_an_infrastructure_failure_at_its_timeout(tiny_tokenizer, kind):
+    """A sync reward function (or an async one that blocks) that hangs: the episode is masked as an infrastructure
+    failure after `score_timeout_s`, and the stuck function is left running in its own (daemon) thread."""
+    import time
+
+    domain = get_domain("verifiers", taskset=f"vf_hung_{kind}_tasks", max_steps=1, score_timeout_s=1.0)
+    task = sample_tasks(domain, 1, level=1, seed=0)[0]
+    module = __import__(f"vf_hung_{kind}_tasks")
+    try:
+        started = time.monotonic()
+        trajectory, _ = run(task, tiny_tokenizer, ["42" + END])
+        assert time.monotonic() - started < 30  # the rubric blocks for 60 s: it was not waited for
+        reward = trajectory.reward
+        assert reward.failure is FailureClass.INFRA and reward.is_infrastructure_failure
+        assert "the whole trace took longer than 1 s" in reward.details["error"] and sum(trajectory.loss_mask) == 0
+        (stuck,) = module.RUNNING
+        assert stuck.daemon and stuck.is_alive()  # abandoned, not killed: it runs on until the function returns
+    finally:
+        module.RELEASE.set()
+    stuck.join(10.0)
+    assert not stuck.is_alive()
 
 
 def test_an_unknown_taskset_is_a_clear_error():

@@ -10,7 +10,9 @@ One episode (`AgentEnv.drive`, called by `posttrain.envs.rollout_episode`):
    binds a bounded number of them);
 2. the agent runs in a fresh jail (`posttrain.sandbox`: no network but a loopback of its own, read-only system)
    on this machine, beside its endpoint: in the sandbox's pool when it is local, else (Ray's sandbox workers run
-   the tools and verifiers elsewhere) in `posttrain.sandbox.local_pool()` -- on Ray, the rollout worker's.
+   the tools and verifiers elsewhere) in `posttrain.sandbox.local_pool()` -- on Ray, the rollout worker's; with
+   ``jails: N`` in a pool of N slots of its own (an agent holds its jail while it waits on the model, so a slot
+   per CPU would let only that many episodes reach the engine at once).
    Its work dir holds the task's files and ``task.json`` (the task's id, messages and tool names -- never the
    verifier's arguments); read-only inside: the endpoint directory (the socket and `_agent_jail.py`, the
    loopback proxy that starts the agent with ``OPENAI_BASE_URL``), the trainer's Python when the command says
@@ -109,6 +111,27 @@ class _EndpointDirs:
 
 _DIRS = _EndpointDirs()
 
+# Pools of `jails` slots for agents (``env_args["jails"]``), one per size, made on first use by this process.
+# An agent waits on the model most of its life, holding its jail: with a slot per CPU (the shared pool) only
+# that many episodes reach the engine at once and its batches stay small. A pool of more slots lets more wait.
+_JAIL_POOLS: dict[tuple[int, int], SandboxPool] = {}
+_JAIL_POOLS_LOCK = threading.Lock()
+
+
+def _jail_pool(slots: int) -> SandboxPool:
+    with _JAIL_POOLS_LOCK:
+        key = (os.getpid(), slots)  # a forked child makes its own
+        if key not in _JAIL_POOLS:
+            _JAIL_POOLS[key] = SandboxPool(slots)
+        return _JAIL_POOLS[key]
+
+
+@atexit.register
+def _close_jail_pools() -> None:
+    for (pid, _), pool in list(_JAIL_POOLS.items()):
+        if pid == os.getpid():
+            pool.close()
+
 
 @environment("agent")
 class AgentEnv:
@@ -118,7 +141,7 @@ class AgentEnv:
     def __init__(self, command: list[str], sandbox: Any = None, parser: Any = None, files: dict[str, str] | None = None,
                  ro_paths: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
                  max_calls: int = 16, max_completion_tokens: int = 4096, memory_mb: int = 1024,
-                 processes: int = 64, answer_file: str | None = None, **options: Any):
+                 processes: int = 64, answer_file: str | None = None, jails: int | None = None, **options: Any):
         if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
             raise EnvError(f"agent: command must be a non-empty list of strings, got {command!r}")
         self.command = list(command)
@@ -130,6 +153,7 @@ class AgentEnv:
         self.max_calls, self.max_completion_tokens = int(max_calls), int(max_completion_tokens)
         self.memory_mb, self.processes = int(memory_mb), int(processes)
         self.answer_file = answer_file
+        self.jails = int(jails) if jails else None
         self.options = options
         self.task: Task | None = None
         self.state: dict[str, Any] = {"answer": None, "files": {}}
@@ -168,7 +192,10 @@ class AgentEnv:
         box = self.sandbox if self.sandbox is not None else default_sandbox()
         # The endpoint's socket lives in this process: a jail on a remote sandbox worker (Ray's sandbox workers)
         # could not reach it, so the agent runs in a pool on this machine, beside its endpoint.
-        pool = box.pool if isinstance(box.pool, SandboxPool) else local_pool()
+        if self.jails:
+            pool = _jail_pool(self.jails)
+        else:
+            pool = box.pool if isinstance(box.pool, SandboxPool) else local_pool()
         command, ro_paths = self._command()
         timeout_s = max(1.0, deadline - time.monotonic() - _START_MARGIN_S)
         limits = box.limits.replace(timeout_s=timeout_s, cpu_s=timeout_s, memory_mb=self.memory_mb,

@@ -8,6 +8,7 @@
           max_calls: 4                                           # chat completions per episode
           max_completion_tokens: 256                             # sampled tokens per episode
           timeout_s: 60                                          # wall time per episode
+          jails: 32                                              # agents run at once (default: a slot per CPU)
 
 The inner domain's task keeps its messages, verifier and level; its environment becomes ``agent`` with the
 program and the limits, and the files it seeded (``env_args["files"]``, e.g. ``repo_fix``'s repository) become
@@ -33,7 +34,7 @@ class AgentDomain:
     def __init__(self, command: list[str], tasks: dict[str, Any], *, max_calls: int = 16,
                  max_completion_tokens: int = 4096, timeout_s: float = 120.0, memory_mb: int = 1024,
                  processes: int = 64, ro_paths: list[str] | None = None, env: dict[str, str] | None = None,
-                 files: dict[str, str] | None = None, answer_file: str | None = None):
+                 files: dict[str, str] | None = None, answer_file: str | None = None, jails: int | None = None):
         if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
             raise TaskError(f"agent: command must be a non-empty list of strings (the program's argv), got {command!r}")
         for position, argument in enumerate(command):
@@ -46,6 +47,8 @@ class AgentDomain:
             raise TaskError(f"agent: tasks must be {{name: DOMAIN, args: {{...}}}}, got {tasks!r}")
         if tasks["name"] == "agent":
             raise TaskError("agent: tasks names the agent domain itself; name the domain whose tasks the agent does")
+        if jails is not None and (isinstance(jails, bool) or not isinstance(jails, int) or jails < 1):
+            raise TaskError(f"agent: jails must be a positive integer (agents run at once), got {jails!r}")
         for name, value in (("max_calls", max_calls), ("max_completion_tokens", max_completion_tokens),
                             ("timeout_s", timeout_s), ("memory_mb", memory_mb), ("processes", processes)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -57,7 +60,7 @@ class AgentDomain:
         self.env_args: dict[str, Any] = {
             "command": list(command), "max_calls": int(max_calls), "max_completion_tokens": int(max_completion_tokens),
             "memory_mb": int(memory_mb), "processes": int(processes), "ro_paths": list(ro_paths or []),
-            "env": dict(env or {}), "answer_file": answer_file,
+            "env": dict(env or {}), "answer_file": answer_file, "jails": jails,
         }
         self.files = dict(files or {})
 

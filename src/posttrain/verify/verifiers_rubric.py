@@ -10,7 +10,11 @@ metrics, and plugged judges) offline, with no runtime. Each named reward becomes
 (its raw value; the weights are in ``details["weights"]``, the metrics in ``details["metrics"]``); the score is the
 weighted sum (`Trace.reward`), and ``passed`` is ``score >= pass_threshold`` (default: the sum of the weights,
 every reward at 1). A reward function that raises, or a scoring that exceeds ``timeout_s``, is an infrastructure
-failure: masked and retried, never a 0.
+failure: masked and retried, never a 0. The rubric runs on an event loop of its own in a worker thread, and the
+verifier waits for each scoring at most ``timeout_s``: `asyncio.wait_for` alone cannot stop a reward that blocks
+(a sync function, or an ``async def`` that calls ``time.sleep`` or blocking I/O holds the loop, so its timer never
+fires). A scoring past its limit is abandoned, not killed -- Python cannot kill a thread: its (daemon) thread runs
+on until the function returns, its result is dropped, and it does not keep the process from exiting.
 
 **Per-turn scores** (``turn_scores: true``, a process signal from a rubric that scores whole traces): the rubric
 also scores each turn's prefix -- the transcript up to that assistant turn and the observations it caused (its
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 from itertools import islice
 from pathlib import Path
@@ -128,7 +133,7 @@ def verify_verifiers(completion: str, *, taskset: str, index: int, config: dict[
     trace = to_trace(vf_task, messages)
     prefixes = [to_trace(vf_task, prefix) for prefix in turn_prefixes(messages)] if turn_scores else []
     try:
-        asyncio.run(_score_each(vf_task, [trace, *prefixes], timeout_s))
+        _score_each(vf_task, [trace, *prefixes], timeout_s)
     except Exception as error:  # noqa: BLE001 - the environment's rubric failed: the system's failure
         return Reward(score=0.0, passed=False, failure=FailureClass.INFRA,
                       details={"error": f"verifiers scoring: {type(error).__name__}: {error}"[:2000]})
@@ -153,11 +158,39 @@ def turn_prefixes(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [messages[:end] for end in [*turns[1:], len(messages)]]
 
 
-async def _score_each(vf_task: Any, traces: list[Any], timeout_s: float) -> None:
-    """Score the whole trace, then each turn's prefix, each under its own `timeout_s`."""
-    for number, trace in enumerate(traces):  # in order: a rubric may keep state between calls
+_TIMED_OUT = object()
+
+
+def _score_each(vf_task: Any, traces: list[Any], timeout_s: float) -> None:
+    """Score the whole trace, then each turn's prefix, each under its own `timeout_s`, in a worker thread.
+
+    An async rubric is cancelled at its limit (`asyncio.wait_for` inside the worker); one that blocks its loop is
+    caught by this thread's wait on the worker, and abandoned (see the module docstring)."""
+    outcomes: queue.SimpleQueue = queue.SimpleQueue()  # one per scoring: None, _TIMED_OUT or the error raised
+
+    async def score_in_order() -> None:
+        for trace in traces:  # in order: a rubric may keep state between calls
+            try:
+                await asyncio.wait_for(vf_task.score(trace), timeout_s)
+            except asyncio.TimeoutError:
+                outcomes.put(_TIMED_OUT)
+                return
+            outcomes.put(None)
+
+    def work() -> None:
         try:
-            await asyncio.wait_for(vf_task.score(trace), timeout_s)
-        except asyncio.TimeoutError:
+            asyncio.run(score_in_order())
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread, which classifies it
+            outcomes.put(error)
+
+    threading.Thread(target=work, name="verifiers-rubric", daemon=True).start()
+    for number in range(len(traces)):
+        try:
+            outcome = outcomes.get(timeout=timeout_s)
+        except queue.Empty:
+            outcome = _TIMED_OUT
+        if outcome is _TIMED_OUT:
             what = f"turn {number}'s prefix" if number else "the whole trace"
-            raise TimeoutError(f"scoring {what} took longer than {timeout_s:g} s") from None
+            raise TimeoutError(f"scoring {what} took longer than {timeout_s:g} s")
+        if outcome is not None:
+            raise outcome
