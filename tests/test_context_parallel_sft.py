@@ -15,11 +15,11 @@ from test_sft import data_file, write_recipe  # noqa: F401 - the SFT tests' arit
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM
 
-from posttrain.config import ConfigError, RLRecipe, SFTRecipe, load_recipe
+from posttrain.config import ConfigError, ModelConfig, RLRecipe, RuntimeConfig, SFTRecipe, load_recipe
 from posttrain.data import Row, block_causal_mask, collate
 from posttrain.distributed import DistributedError, launch_sft
 from posttrain.tracking import read_metrics
-from posttrain.train import sft_loss_sum
+from posttrain.train import prepare_model, sft_loss_sum
 from posttrain.train.context_parallel import (
     ContextParallelError,
     check_context_parallel,
@@ -69,23 +69,33 @@ def test_shards_partition_every_row_and_keep_its_samples_apart():
         assert torch.equal(shard["targets"][:, inside], batch["labels"][:, queries[inside] + 1])
 
 
-def test_one_rank_context_parallel_loss_is_the_packed_loss(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_rank_context_parallel_loss_is_the_packed_loss(tmp_path, checkpointing):
     """The split forward (its own mask, attention and head) on packed rows against `sft_loss_sum` with
-    variable-length attention, in one gloo process: the layout the ranks compute, without the transfers."""
+    variable-length attention, in one gloo process: the layout the ranks compute, without the transfers. With
+    activation checkpointing the layers recomputed in the backward must get the split attention back (with the
+    model's own attention the samples of a row would see each other, and the gradients would differ)."""
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = prepare_model(LlamaForCausalLM(config), ModelConfig(), RuntimeConfig(activation_checkpointing=checkpointing))
+    model.train()
     batch = collate(packed_rows(), pad_id=0)
     expected, count = sft_loss_sum(model, batch)
+    expected.backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         shard = shard_batch(batch, 0, 1)
         loss, scored = context_parallel_sft_loss_sum(model, shard, chunk_tokens=16)
+        loss.backward()
     finally:
         dist.destroy_process_group()
     assert scored == count
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(parameter.grad, reference[name], atol=1e-5, rtol=1e-4), name
 
 
 def test_models_it_cannot_split_are_named():
@@ -116,8 +126,8 @@ def metric(run_dir: Path, key: str) -> dict[int, float]:
 
 def test_what_it_does_not_combine_with_is_refused_up_front(tmp_path, data_file, monkeypatch):
     recipe = cp_recipe(tmp_path, data_file, cluster={"context_parallel": 2, "data_parallel": "fsdp"},
-                       model={"lora": {"enabled": True}}, runtime={"activation_checkpointing": True})
-    with pytest.raises(ConfigError, match="cluster.context_parallel.*model.lora.*activation_checkpointing.*fsdp"):
+                       model={"lora": {"enabled": True}}, runtime={"compile": True})
+    with pytest.raises(ConfigError, match="cluster.context_parallel.*model.lora.*runtime.compile.*fsdp"):
         load_recipe(recipe, schema=SFTRecipe)
     with pytest.raises(ValueError, match="cluster.context_parallel.*sft recipe only"):
         RLRecipe.model_validate({"cluster": {"context_parallel": 2}})
@@ -129,11 +139,13 @@ def test_what_it_does_not_combine_with_is_refused_up_front(tmp_path, data_file, 
 
 
 @pytest.mark.slow  # two spawned ranks importing torch and transformers: ~40 s idle, minutes on a loaded machine
-def test_cli_with_context_parallel_2_trains_what_one_process_trains(tmp_path, data_file):
-    single = run_sft(load_recipe(cp_recipe(tmp_path / "single", data_file), schema=SFTRecipe))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cli_with_context_parallel_2_trains_what_one_process_trains(tmp_path, data_file, checkpointing):
+    runtime = {"activation_checkpointing": checkpointing}
+    single = run_sft(load_recipe(cp_recipe(tmp_path / "single", data_file, runtime=runtime), schema=SFTRecipe))
     split = tmp_path / "split"
     run_launcher([sys.executable, "-m", "posttrain", "sft",
-                  str(cp_recipe(split, data_file, cluster={"context_parallel": 2}))])
+                  str(cp_recipe(split, data_file, cluster={"context_parallel": 2}, runtime=runtime))])
 
     one, two = losses(single.output_dir), losses(split / "run")
     assert one.keys() == two.keys() == {1, 2, 3}

@@ -62,7 +62,7 @@ def run_launcher(command: list[str]) -> None:
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
-        _, stderr = process.communicate(timeout=300)
+        _, stderr = process.communicate(timeout=600)  # a loaded 2-core machine
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()

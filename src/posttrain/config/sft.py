@@ -161,8 +161,6 @@ class SFTRecipe(Section):
             "cluster.backend: ray (its ranks are started on this machine or by torchrun)":
                 self.cluster.backend == "ray",
             "model.lora (LoRA adapters are not trained under context parallelism yet)": self.model.lora.enabled,
-            "runtime.activation_checkpointing (the recomputation in the backward would run outside the split "
-            "attention)": self.runtime.activation_checkpointing,
             "runtime.compile (the split attention and its collectives are not compiled)":
                 self.runtime.compile is True,
             "cluster.data_parallel: fsdp (every context-parallel rank holds the whole model: replicate or auto)":

@@ -33,8 +33,8 @@ The model's attention runs through ``posttrain_context_parallel`` while the call
 causal LM that takes an attention implementation). Not supported, a `ContextParallelError` naming it
 (`check_context_parallel`, before a run trains): soft-capped attention (Gemma 2), attention sinks, sliding
 windows shorter than the rows, vision-language models and heads that cannot be split from the decoder.
-Because the attention is swapped only during the forward, activation checkpointing (whose recomputation runs
-in the backward) is refused by the recipe rather than silently recomputed with the model's own attention.
+The attention is swapped only during the forward; with activation checkpointing (`train.step.prepare_model`)
+`recompute_context` puts it back for each layer recomputed in the backward.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class ContextParallelError(PosttrainError, ValueError):
 class _Shard(NamedTuple):
     group: Any
     visible: torch.Tensor  # [B, 1, t, T] True where this rank's query may attend a key (keys in gathered order)
+    config: Any  # the model's config, whose attention implementation is swapped while the shard is on
 
 
 _shard: contextvars.ContextVar[_Shard | None] = contextvars.ContextVar("posttrain_cp_shard", default=None)
@@ -169,17 +170,24 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def _attention(model: torch.nn.Module, shard: _Shard):
+def _attention(shard: _Shard):
     _register()
-    config = model.config
-    before = config._attn_implementation
+    before = shard.config._attn_implementation
     token = _shard.set(shard)
-    config._attn_implementation = IMPLEMENTATION
+    shard.config._attn_implementation = IMPLEMENTATION
     try:
         yield
     finally:
-        config._attn_implementation = before
+        shard.config._attn_implementation = before
         _shard.reset(token)
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`torch.utils.checkpoint`'s ``context_fn`` (non-reentrant): a layer checkpointed inside a split forward is
+    recomputed in the backward with the split attention and the shard it ran with, not the model's own
+    attention (the forward's `_attention` has ended by then). Outside a split forward: nothing."""
+    shard = _shard.get()
+    return contextlib.nullcontext(), (_attention(shard) if shard is not None else contextlib.nullcontext())
 
 
 def check_context_parallel(model: torch.nn.Module, row_length: int | None = None) -> None:
@@ -218,7 +226,7 @@ def context_parallel_sft_loss_sum(model: torch.nn.Module, shard: dict[str, Any],
         check_context_parallel(model)
         raise ContextParallelError("context parallelism: the model's head cannot be split from its decoder")
     decoder, head = parts
-    with _attention(model, _Shard(group, shard["visible"])):
+    with _attention(_Shard(group, shard["visible"], model.config)):
         hidden = decoder(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                          use_cache=False).last_hidden_state
     scored = shard["targets"] != -100
