@@ -138,7 +138,8 @@ def test_what_it_does_not_combine_with_is_refused_up_front(tmp_path, data_file, 
         launch_sft(plain)
 
 
-@pytest.mark.slow  # two spawned ranks importing torch and transformers: ~40 s idle, minutes on a loaded machine
+@pytest.mark.slow  # two spawned ranks importing torch and transformers: ~4 min at load 7-10, ~9 at load ~25
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_cli_with_context_parallel_2_trains_what_one_process_trains(tmp_path, data_file, checkpointing):
     runtime = {"activation_checkpointing": checkpointing}
