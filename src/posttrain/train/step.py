@@ -57,8 +57,10 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
     if model_config.lora.enabled:
         model = apply_lora(model, model_config.lora)
     if runtime_config.activation_checkpointing:
-        # context_fn: a layer recomputed in the backward of a context-parallel forward gets its split attention back
-        kwargs = {"use_reentrant": False, "context_fn": recompute_context}
+        kwargs = {"use_reentrant": False}
+        if runtime_config.compile is not True:  # (dynamo takes only selective-checkpointing context_fns)
+            # a layer recomputed in the backward of a context-parallel forward gets its split attention back
+            kwargs["context_fn"] = recompute_context
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
