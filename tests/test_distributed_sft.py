@@ -51,14 +51,18 @@ def free_port() -> int:
 
 
 def torchrun(recipe: Path, *extra: str) -> None:
+    run_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                  "127.0.0.1", "--master_port", str(free_port()), "-m", "posttrain", "sft", str(recipe), *extra])
+
+
+def run_launcher(command: list[str]) -> None:
+    """Run a command that starts ranks (one thread each), asserting it succeeds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "-m", "posttrain", "sft", str(recipe), *extra]
-    # A new session, so a timeout can end the launcher and both ranks together.
+    # A new session, so a timeout can end the launcher and its ranks together.
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
-        _, stderr = process.communicate(timeout=300)
+        _, stderr = process.communicate(timeout=600)  # a loaded 2-core machine
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()

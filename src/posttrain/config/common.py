@@ -137,6 +137,10 @@ class ClusterConfig(Section):
     # gradients (the least traffic; no gather for the engines' weights). "auto": replicate under 1 GiB of
     # parameters, else fsdp
     data_parallel: Literal["auto", "fsdp", "replicate"] = "auto"
+    # SFT only: ranks that split every packed row's tokens between them (context parallelism, zigzag layout:
+    # docs/long-context.md), each holding the whole model. `posttrain sft` starts them on this machine (gloo on
+    # CPU, NCCL on one GPU each); under torchrun the group must have exactly this many processes. 1: off
+    context_parallel: int = Field(1, gt=0)
     num_sandbox_workers: int = Field(0, ge=0)  # 0: sandboxes run in each rollout worker's own pool
     sandbox_slots: int = Field(1, gt=0)  # concurrent jails per sandbox worker
     sandbox_backend: Literal["bubblewrap", "unsafe-local"] = "bubblewrap"

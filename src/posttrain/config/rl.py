@@ -370,6 +370,9 @@ class RLRecipe(Section):
                 raise ValueError(f"schedule.curriculum.start: unknown domain '{name}'")
             if level not in levels[name]:
                 raise ValueError(f"schedule.curriculum.start.{name}: level {level} is not in {levels[name]}")
+        if self.cluster.context_parallel != 1:
+            raise ValueError("cluster.context_parallel: context parallelism is wired into the sft recipe only; "
+                             "an RL recipe takes 1 (the default)")
         if "critic" in self.model_fields_set and self.algorithm.advantage != "gae":
             raise ValueError(f"critic: the critic is used only with algorithm.advantage: gae "
                              f"(it is '{self.algorithm.advantage}'): set it, or drop the critic section")

@@ -151,3 +151,23 @@ class SFTRecipe(Section):
     tracking: TrackingConfig = TrackingConfig()
     # backend ray: num_trainer_workers FSDP ranks as Ray actors (a torchrun launch needs no cluster section)
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _context_parallel_alone(self):
+        """What context parallelism (cluster.context_parallel > 1) does not combine with, named up front."""
+        if self.cluster.context_parallel == 1:
+            return self
+        unsupported = {
+            "cluster.backend: ray (its ranks are started on this machine or by torchrun)":
+                self.cluster.backend == "ray",
+            "model.lora (LoRA adapters are not trained under context parallelism yet)": self.model.lora.enabled,
+            "runtime.compile (the split attention and its collectives are not compiled)":
+                self.runtime.compile is True,
+            "cluster.data_parallel: fsdp (every context-parallel rank holds the whole model: replicate or auto)":
+                self.cluster.data_parallel == "fsdp",
+        }
+        named = [what for what, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"cluster.context_parallel: {self.cluster.context_parallel} does not combine with "
+                             f"{'; '.join(named)}: turn that off, or set cluster.context_parallel: 1")
+        return self

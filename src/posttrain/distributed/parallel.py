@@ -67,8 +67,10 @@ class TorchDataParallel:
     """This process's rank in a data-parallel group; implements `train.parallel.DataParallel`, the seam
     of the SFT loop and the RL step."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device):
+    def __init__(self, rank: int, world_size: int, device: torch.device, *, context_parallel: bool = False):
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        # Context parallelism (`train.context_parallel`): every rank takes every row and a share of its tokens.
+        self.context_parallel = context_parallel
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self._skeleton: torch.nn.Module | None = None  # rank 0: the model's shape on the meta device
         self._units: list[FSDPModule] = []
@@ -78,7 +80,7 @@ class TorchDataParallel:
 
     @classmethod
     def start(cls, rank: int, world_size: int, init_method: str, device: torch.device | str,
-              timeout_s: float = 1800.0) -> TorchDataParallel:
+              timeout_s: float = 1800.0, *, context_parallel: bool = False) -> TorchDataParallel:
         """Join the group (gloo on CPU, NCCL on CUDA) at `init_method` (``tcp://host:port`` or ``env://``)."""
         device = torch.device(device)
         if device.type == "cuda":
@@ -86,10 +88,10 @@ class TorchDataParallel:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                                     rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world_size, device)
+        return cls(rank, world_size, device, context_parallel=context_parallel)
 
     @classmethod
-    def from_env(cls, device: torch.device | str) -> TorchDataParallel | None:
+    def from_env(cls, device: torch.device | str, *, context_parallel: bool = False) -> TorchDataParallel | None:
         """The group a torchrun-style launcher describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT);
         None when there is none or it has one process."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -98,7 +100,7 @@ class TorchDataParallel:
         device = torch.device(device)
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return cls.start(int(os.environ["RANK"]), world_size, "env://", device)
+        return cls.start(int(os.environ["RANK"]), world_size, "env://", device, context_parallel=context_parallel)
 
     def __enter__(self) -> TorchDataParallel:
         return self
@@ -122,7 +124,7 @@ class TorchDataParallel:
         if hasattr(model, "peft_config"):
             raise DistributedError("sharded training of a LoRA model is not supported yet: train it in one "
                                    "process (cluster.num_trainer_workers: 1 / no torchrun) or without model.lora")
-        mode = data_parallel_mode(mode, model)
+        mode = "replicate" if self.context_parallel else data_parallel_mode(mode, model)
         with torch.no_grad():
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)
@@ -278,8 +280,9 @@ class TorchDataParallel:
     # ---- a rank's share of a batch ---------------------------------------------------------------------
 
     def micro_batches(self, items: list[Any], micro_batch_size: int) -> list[list[Any]]:
-        share = items[self.rank :: self.world_size]
-        count = math.ceil(math.ceil(len(items) / self.world_size) / micro_batch_size)
+        ranks = 1 if self.context_parallel else self.world_size  # context parallel: every rank takes every item
+        share = items[self.rank % ranks :: ranks]
+        count = math.ceil(math.ceil(len(items) / ranks) / micro_batch_size)
         return _SyncLast([share[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)],
                          self._units)
 

@@ -102,14 +102,22 @@ def summed_cross_entropy(model: torch.nn.Module, input_ids: torch.Tensor, select
                          **model_kwargs: Any) -> torch.Tensor:
     """Summed cross-entropy of `targets` at the scored positions (`select`), in chunks (see the module)."""
     parts = _splittable(model)
-    head = parts[1] if parts is not None else None
-    fused = (chunk_tokens and isinstance(head, torch.nn.Linear) and head.bias is None
-             and final_logit_softcap(model) is None and torch.is_grad_enabled())
-    if not fused:
+    if parts is None or not chunk_tokens:
         return -scored_token_stats(model, input_ids, select, targets, chunk_tokens=chunk_tokens,
                                    **model_kwargs).logprobs.sum()
     model_kwargs.setdefault("use_cache", False)
     hidden = parts[0](input_ids=input_ids, **model_kwargs).last_hidden_state[:, :-1][select]
+    return head_cross_entropy(model, parts[1], hidden, targets, chunk_tokens=chunk_tokens)
+
+
+def head_cross_entropy(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                       *, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Summed cross-entropy of `targets` [N] from `hidden` [N, H] (the final hidden states at the scored
+    positions) through `head`: fused where the head allows it, else checkpointed chunks (see the module)."""
+    fused = (isinstance(head, torch.nn.Linear) and head.bias is None and final_logit_softcap(model) is None
+             and torch.is_grad_enabled())
+    if not fused:
+        return -chunked_head_stats(model, head, hidden, targets, chunk_tokens=chunk_tokens).logprobs.sum()
     device = hidden.device.type
     matmul_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     return _FusedHeadCrossEntropy.apply(hidden, head.weight, targets, chunk_tokens, matmul_dtype)

@@ -8,6 +8,9 @@ contract a loop follows, so that N ranks compute one process's step:
   number of micro-batches on every rank; an empty one is an `idle_backward`);
 - every rank divides its loss by the whole step's normalizer (`all_gather` the local counts and sum them), so the
   gradients `reduce_gradients` sums across ranks are one process's gradient;
+- under context parallelism (``context_parallel`` True) every rank takes *every* item instead, and holds a
+  zigzag share of each row's tokens (`train.context_parallel.shard_batch`): the counts and loss sums are shares,
+  summed over the ranks as above;
 - weights and optimizer state are gathered to rank 0 in one process's format (`full_model`, `optimizer_state`:
   every rank must call them), and rank 0 alone writes metrics and checkpoints (`rank == 0`).
 """
@@ -26,6 +29,7 @@ class DataParallel(Protocol):
 
     rank: int
     world_size: int
+    context_parallel: bool  # True: the ranks split every row's tokens, not the rows (the whole group)
 
     def shard_model(self, model: torch.nn.Module, mode: str = "auto") -> torch.nn.Module: ...
 
@@ -61,6 +65,7 @@ class LocalParallel:
 
     rank = 0
     world_size = 1
+    context_parallel = False
 
     def shard_model(self, model: torch.nn.Module, mode: str = "auto") -> torch.nn.Module:
         return model

@@ -28,6 +28,7 @@ from posttrain.config import SFTRecipe, dump_recipe
 from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_texts
 from posttrain.models import count_parameters, load_model, load_tokenizer, load_weights_from_checkpoint, save_model_dir
 from posttrain.tracking import Tracker, say
+from posttrain.train.context_parallel import check_context_parallel, context_parallel_sft_loss_sum, shard_batch
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
@@ -78,6 +79,11 @@ def run_sft(
     runtime = setup_runtime(recipe.runtime)
     if evaluate is not None and parallel.world_size > 1:
         raise ValueError("run_sft: an evaluate callback runs in one process; not with data parallelism")
+    context = recipe.cluster.context_parallel
+    if context != (parallel.world_size if parallel.context_parallel else 1):
+        raise ValueError(f"run_sft: cluster.context_parallel is {context} but this process runs in a group of "
+                         f"{parallel.world_size} ({'context' if parallel.context_parallel else 'data'} parallel): "
+                         "start context-parallel runs with `posttrain sft` or posttrain.distributed.launch_sft")
 
     # Model and data. The built-in tokenizer (no model.path) is trained on the run's own text.
     corpus = read_all_texts(recipe.data) if recipe.model.path is None and not recipe.model.tokenizer_path else None
@@ -86,6 +92,8 @@ def run_sft(
     data = prepare_sft_data(recipe.data, tokenizer, seed=recipe.runtime.seed, rejects_dir=rejects_dir)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
+    if parallel.context_parallel:
+        check_context_parallel(model, recipe.data.max_length)  # an attention it cannot split: say so now
     check_forward_parity(model, data.epoch_rows(0), runtime.autocast_dtype, layout="packed", what="sft")
     checkpoint = find_checkpoint(output_dir, "sft") if resume else None
     if checkpoint is not None:
@@ -127,7 +135,7 @@ def run_sft(
 
     def evaluate_and_check() -> bool:
         return _evaluate_and_check(model, tokenizer, data, runtime, recipe.train, cursor, tracker, evaluate,
-                                   last_eval)
+                                   last_eval, parallel=parallel)
 
     model.train()
     train_loss = train_loop(
@@ -144,7 +152,7 @@ def run_sft(
         _evaluate_and_check(model, tokenizer, data, runtime, recipe.train, cursor, tracker, evaluate, last_eval,
                             judge=False)
     heldout_loss = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
-                                 recipe.train.batch_size) if data.has_heldout else None
+                                 recipe.train.batch_size, parallel) if data.has_heldout else None
     if heldout_loss is not None:
         tracker.log({"eval/heldout_loss": heldout_loss}, step=cursor.step)
         last_eval.setdefault("metrics", {})["eval/heldout_loss"] = heldout_loss
@@ -179,8 +187,8 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
     memory.start()
     micro = recipe.train.micro_batch_size or recipe.train.batch_size
     chunks = parallel.micro_batches(rows, micro)  # this rank's share of the step
-    batches = [collate(chunk, pad_id, device=runtime.device) if chunk else None for chunk in chunks]
-    local_trained = sum(int((b["labels"] != -100).sum()) for b in batches if b is not None)
+    batches = [_rank_batch(chunk, pad_id, runtime, parallel) if chunk else None for chunk in chunks]
+    local_trained = sum(b["trained_tokens"] for b in batches if b is not None)
     trained_tokens = sum(parallel.all_gather(local_trained))  # every rank divides by the whole step's tokens
     loss_sum, input_tokens = 0.0, 0
     for batch in batches:
@@ -188,7 +196,7 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
             parallel.idle_backward(model)
             continue
         with runtime.autocast():
-            summed, _ = sft_loss_sum(model, batch)
+            summed, _ = _loss_sum(model, batch, parallel)
         (summed / max(trained_tokens, 1)).backward()
         loss_sum += float(summed.detach())
         input_tokens += batch["num_tokens"]
@@ -201,15 +209,31 @@ def _sft_step(model, rows: list, recipe: SFTRecipe, pad_id: int, optimizer, sche
                        tokens=input_tokens, sums={"loss": loss_sum}, peaks=memory.figures(largest))
 
 
+def _rank_batch(rows: list, pad_id: int, runtime: Runtime, parallel: DataParallel) -> dict[str, Any]:
+    """This rank's tensors of a micro-batch: the collated rows, or under context parallelism its zigzag share
+    of every row's tokens (`train.context_parallel.shard_batch`); with `trained_tokens`, its scored tokens."""
+    batch = collate(rows, pad_id, device=runtime.device)
+    if parallel.context_parallel:
+        return shard_batch(batch, parallel.rank, parallel.world_size)
+    batch["trained_tokens"] = int((batch["labels"] != -100).sum())
+    return batch
+
+
+def _loss_sum(model, batch: dict[str, Any], parallel: DataParallel) -> tuple[torch.Tensor, int]:
+    if parallel.context_parallel:
+        return context_parallel_sft_loss_sum(model, batch)
+    return sft_loss_sum(model, batch)
+
+
 def _evaluate_and_check(model, tokenizer, data: PreparedSFTData, runtime, config, cursor: Cursor, tracker,
-                        evaluate, last: dict[str, Any], *, judge: bool = True) -> bool:
+                        evaluate, last: dict[str, Any], *, judge: bool = True, parallel: DataParallel = LOCAL) -> bool:
     """Log the held-out figures and print them; True when early stopping says stop. The best score is in the
     cursor, so a resumed run stops where the uninterrupted one would. `last` keeps the figures and their step;
     `judge=False` (the evaluation after the loop) leaves early stopping's state alone."""
     metrics: dict[str, float] = {}
     if data.has_heldout:
         metrics["eval/heldout_loss"] = evaluate_loss(model, data.heldout_rows(), tokenizer.pad_token_id, runtime,
-                                                     config.batch_size)
+                                                     config.batch_size, parallel)
     if evaluate is not None:
         metrics.update({f"eval/{k}": v for k, v in evaluate(model).items()})
     model.train()
@@ -274,16 +298,21 @@ def stop_line(stopped_by: str, cursor: Cursor, total_steps: int, config, metrics
 
 
 @torch.no_grad()
-def evaluate_loss(model, rows, pad_id: int, runtime: Runtime, batch_size: int) -> float:
-    """Mean token cross-entropy over the trained tokens of `rows` (held-out loss)."""
+def evaluate_loss(model, rows, pad_id: int, runtime: Runtime, batch_size: int,
+                  parallel: DataParallel = LOCAL) -> float:
+    """Mean token cross-entropy over the trained tokens of `rows` (held-out loss); under context parallelism
+    every rank scores its share of the tokens and the sums are added up."""
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start : start + batch_size], pad_id, device=runtime.device)
+        batch = _rank_batch(rows[start : start + batch_size], pad_id, runtime, parallel)
         with runtime.autocast():
-            summed, n = sft_loss_sum(model, batch)
+            summed, n = _loss_sum(model, batch, parallel)
         total += float(summed)
         count += n
+    if parallel.context_parallel:
+        parts = parallel.all_gather((total, count))
+        total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
     return total / max(count, 1)
 
 

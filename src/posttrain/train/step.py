@@ -17,6 +17,7 @@ import torch
 
 from posttrain.config import ModelConfig, RuntimeConfig
 from posttrain.models import apply_lora, autocast_dtype, compile_pays, resolve_device, use_compile_cache
+from posttrain.train.context_parallel import recompute_context
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,14 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
     if model_config.lora.enabled:
         model = apply_lora(model, model_config.lora)
     if runtime_config.activation_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if runtime_config.compile is not True:  # (dynamo takes only selective-checkpointing context_fns)
+            # a layer recomputed in the backward of a context-parallel forward gets its split attention back
+            kwargs["context_fn"] = recompute_context
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False
     if runtime_config.compile is True:  # "auto" is decided by the recipe first (`resolve_compile`); unresolved: off
         compile_decoder(model, model_config)
