@@ -83,6 +83,28 @@ def test_a_restored_trajectory_gets_its_image_tensors_rendered_again(vlm):
     assert torch.equal(restored.image_inputs["pixel_values"], trajectory.image_inputs["pixel_values"])
 
 
+def test_a_multi_turn_image_transcript_appends_observations_after_the_image_prompt(vlm):
+    from posttrain.envs import EnvError, TranscriptTokens
+    from posttrain.types import Completion
+
+    _, processor = vlm
+    tokenizer = processor.tokenizer
+    (task,) = _tasks(1)
+    tokens = TranscriptTokens(tokenizer, task.messages, renderer=ProcessorRenderer(processor))
+    prompt = list(tokens.token_ids)
+    reply = tokenizer.encode("red", add_special_tokens=False) + [tokenizer.eos_token_id]
+    tokens.add_policy_turn(Completion(reply, "red", [-0.5] * len(reply), "stop", 3),
+                           {"role": "assistant", "content": "red"})
+    delta = tokens.add_observation([{"role": "user", "content": "Are you sure?"}])
+    # the prompt's ids and tensors stay, the reply is the engine's ids, the delta is the template's new text only
+    assert tokens.token_ids == prompt + reply + delta
+    assert tokens.loss_mask == [0] * len(prompt) + [1] * len(reply) + [0] * len(delta)
+    assert tokenizer.decode(delta).replace(" ", "").startswith("<|user|>Areyousure?")
+    assert tokens.image_inputs["pixel_values"].shape[0] == 1
+    with pytest.raises(EnvError, match="images are taken in the prompt only"):
+        tokens.add_observation([{"role": "user", "content": task.messages[0]["content"]}])
+
+
 def test_without_a_renderer_an_image_task_is_refused_never_run_without_its_image(vlm):
     model, processor = vlm
     (trajectory,) = run_episodes(image_engine(model, processor), _tasks(1), processor.tokenizer,
@@ -164,3 +186,42 @@ def test_what_the_image_path_does_not_take_is_refused_before_anything_loads(tmp_
         update={"advantage": "gae"})})
     with pytest.raises(ConfigError, match="gae"):
         run_rl(recipe)
+
+
+def test_a_checkpoint_of_a_vision_language_policy_loads_back_in_place(vlm, tmp_path):
+    """RL's resume copies a checkpoint into the live model (the optimizer keeps its references): LLaVA writes its
+    weights under other names than its modules', so the copy goes through transformers' own reading."""
+    from posttrain.models import load_weights_from_checkpoint, save_model_dir
+
+    model, processor = vlm
+    save_model_dir(tmp_path / "ckpt", model, processor)
+    live = build_tiny_vlm(processor.tokenizer, seed=1)[0]
+    parameter = next(live.parameters())
+    load_weights_from_checkpoint(live, tmp_path / "ckpt")
+    assert next(live.parameters()) is parameter  # in place
+    for (name, value), (_, expected) in zip(live.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(value, expected), name
+
+
+def test_validate_shows_the_image_prompt_as_the_processor_renders_it(capsys):
+    from posttrain.cli import main
+
+    assert main(["validate", "grpo-vlm"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts rendered by its processor (LlavaProcessor)" in out
+    assert "<|user|><image>What colour is the largest shape" in out  # the image's place, never its data: URL
+    assert "data:image" not in out and "nothing was trained" in out
+
+
+@pytest.mark.slow
+def test_posttrain_rl_runs_the_packaged_image_recipe_and_resumes(tmp_path):
+    from posttrain.cli import main
+
+    run = tmp_path / "run"
+    shrink = [f"output_dir={run}", "train.save_every=1", "rollout.prompts_per_step=2", "rollout.sampling.group_size=4",
+              "runtime.num_threads=1", "domains.0.heldout=2", "domains.1.heldout=2"]
+    assert main(["rl", "grpo-vlm", "train.max_steps=1", *shrink]) == 0
+    assert main(["rl", "grpo-vlm", "train.max_steps=2", *shrink, "--resume"]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
+    assert all(m["train/gap_abs_max"] < 1e-4 for m in metrics if "train/gap_abs_max" in m)

@@ -38,8 +38,10 @@ from posttrain.rl.vision import (
     VisionGRPOResult,
     image_engine,
     load_vision_policy,
+    policy_processor,
     run_vision_grpo,
     vision_grpo_update,
+    wants_vision,
 )
 from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
 
@@ -48,6 +50,8 @@ __all__ = [
     "ProcessorRenderer",
     "image_engine",
     "load_vision_policy",
+    "policy_processor",
+    "wants_vision",
     "vision_grpo_update",
     "run_vision_grpo",
     "BatchProducer",

@@ -37,7 +37,7 @@ from posttrain.config import ConfigError, ModelConfig
 from posttrain.data import validate_vision_record
 from posttrain.envs import EnvError
 from posttrain.evaluate import ImageAnswer, sample_image_tasks
-from posttrain.models import build_tiny_vlm, load_vision_model, vision_request
+from posttrain.models import build_tiny_vlm, load_processor, load_vision_model, vision_request
 from posttrain.rl.advantages import compute_advantages
 from posttrain.rl.backend import engine_trainer_self_test
 from posttrain.rl.update import engine_state, plain_copy, scoring_temperature
@@ -76,6 +76,13 @@ def load_vision_policy(model: ModelConfig, tokenizer: Any, device: torch.device)
         policy, processor = build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)
         return policy.to(device), processor
     return load_vision_model(model.path, dtype=model.dtype, device=device)
+
+
+def policy_processor(model: ModelConfig, tokenizer: Any) -> Any:
+    """The processor `load_vision_policy` would give, without loading the weights (`posttrain validate`)."""
+    if model.path is None:
+        return build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)[1]
+    return load_processor(model.path)
 
 
 class ProcessorRenderer:
