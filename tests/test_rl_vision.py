@@ -153,7 +153,8 @@ def test_run_rl_trains_a_vision_language_policy_on_image_tasks(tmp_path, monkeyp
         pixels = kwargs.get("pixel_values")
         if pixels is not None:
             with torch.no_grad():
-                blank = scored(model, input_ids, select, targets, **{**kwargs, "pixel_values": torch.zeros_like(pixels)})
+                zeroed = {**kwargs, "pixel_values": torch.zeros_like(pixels)}
+                blank = scored(model, input_ids, select, targets, **zeroed)
             moved = float((blank.logprobs - stats.logprobs.detach()).abs().max())
         calls.append((input_ids.shape[0], None if pixels is None else pixels.shape[0],
                       moved if pixels is not None else 0.0))

@@ -1,4 +1,9 @@
-"""GRPO on image tasks with a vision-language model.
+"""Image tasks in RL: what the main loop (`rl.trainer.run_rl` with ``model.vision``) needs of a vision-language
+model, and a small GRPO loop of its own (`run_vision_grpo`).
+
+For the main loop: `wants_vision` (the recipe asks for a VLM), `load_vision_policy` (the VLM and its processor),
+and `ProcessorRenderer`, the `envs.PromptRenderer` the episode loop renders image prompts with (the processor's
+ids and image tensors, which every turn's request and the trajectory carry to the engine and the trainer).
 
 One step (`run_vision_grpo`; the update alone: `vision_grpo_update`), top to bottom:
 
@@ -14,9 +19,9 @@ One step (`run_vision_grpo`; the update alone: `vision_grpo_update`), top to bot
 
 On-policy (one update per batch), so the ratio is 1 up to the engine/trainer gap, which the self-test bounds at
 start-up (`rl.engine_trainer_self_test` with the processor: the engine samples answers to image prompts, the
-trainer re-scores the same tokens with the same images). This is the single-turn image path; the multi-turn episode
-loop (`posttrain.envs`) and the `posttrain rl` recipe still take text tasks only, and there is no KL term, resume or
-guard here. A LoRA policy (`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
+trainer re-scores the same tokens with the same images). This is the single-turn image path with no KL term,
+resume or guard; `posttrain rl` with ``model.vision`` runs image tasks through the main loop, which has them. A
+LoRA policy (`posttrain.models.apply_lora`) trains its adapters; the engine gets the merged weights.
 """
 
 from __future__ import annotations
