@@ -31,19 +31,20 @@ class ChatTemplateError(PosttrainError):
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                images: bool = False) -> str:
     """The template's text for `messages`, ending with the generation prompt when `generation_prompt`.
 
-    A message holding an image part is refused: a text tokenizer's template would drop the image silently (the
-    built-in one renders no list content at all), so an image task would train on an empty prompt. Images go
-    through a vision model's processor (`posttrain.models.vision_inputs`)."""
-    for index, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in ("image", "image_url")
-                                             for part in content):
-            raise ChatTemplateError(f"message {index} holds an image part, which a text-only chat template cannot "
-                                    "render; image prompts need a vision-language model and its processor "
-                                    "(docs/multimodal.md: the text stages do not take image tasks yet)")
+    A message holding an image part is refused unless `images`: a text tokenizer's template would drop the image
+    silently (the built-in one renders no list content at all), so an image task would train on an empty prompt.
+    Images go through a vision model's processor (`posttrain.models.vision_inputs`); `images=True` is for that
+    path alone -- `tokenizer` is then the processor, whose template writes each image's placeholder (the episode
+    loop's observation deltas on an image prompt, `posttrain.rl.vision.ProcessorRenderer`)."""
+    index = None if images else first_image_message(messages)
+    if index is not None:
+        raise ChatTemplateError(f"message {index} holds an image part, which a text-only chat template cannot "
+                                "render; image prompts need a vision-language model and its processor "
+                                "(docs/multimodal.md: set model.vision in an RL recipe)")
     if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # (a stand-in may not have one)
         raise ChatTemplateError("the tokenizer has no chat template; set model.chat_template in the recipe (a Jinja "
                                 "template or a file holding one)")
@@ -52,6 +53,19 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_promp
                                              add_generation_prompt=generation_prompt, **(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - jinja raises TemplateError, templates raise their own exceptions
         raise ChatTemplateError(f"the chat template failed on {len(messages)} messages: {error}") from error
+
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def first_image_message(messages: Sequence[Message]) -> int | None:
+    """The index of the first message holding an image part (None when the chat is text only)."""
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+                                             for part in content):
+            return index
+    return None
 
 
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:

@@ -233,6 +233,11 @@ class Trajectory:
     wall_s: float = 0.0
     group_id: str = ""  # trajectories sampled for the same task in one group share it
     metadata: dict[str, Any] = field(default_factory=dict)
+    # An image prompt's tensors (``pixel_values`` ...: `GenerationRequest.image_inputs`, shared by a group), which
+    # the trainer's forward takes beside `token_ids`. In this process only: `to_dict` (checkpointed batches) keeps
+    # the reference to the images -- the image parts of `messages`, the task's own -- not the pixels, and the
+    # trainer renders them again where they are missing (`posttrain.rl.vision.ProcessorRenderer.attach`).
+    image_inputs: dict[str, Any] | None = None
 
     @property
     def policy_tokens(self) -> int:
@@ -254,7 +259,7 @@ class Trajectory:
         return self.reward.failure
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(dataclasses.replace(self, image_inputs=None))
         data["reward"] = self.reward.to_dict()
         return data
 

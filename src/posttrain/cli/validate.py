@@ -147,11 +147,17 @@ def _pairs(recipe: Any) -> None:
 
 
 def _rl(recipe: Any) -> None:
-    from posttrain.rl import starting_tokenizer
+    from posttrain.rl import ProcessorRenderer, policy_processor, starting_tokenizer, wants_vision
     from posttrain.tasks import get_domain, sample_tasks
 
     _describe_model(recipe.model)
-    tokenizer = starting_tokenizer(recipe)
+    renderer = None
+    if wants_vision(recipe.model):  # image prompts: the processor renders them, as in the run
+        processor = policy_processor(recipe.model, None if recipe.model.path else starting_tokenizer(recipe))
+        renderer, tokenizer = ProcessorRenderer(processor), processor.tokenizer
+        print(f"[validate] vision-language model: prompts rendered by its processor ({type(processor).__name__})")
+    else:
+        tokenizer = starting_tokenizer(recipe)
     _describe_tokenizer(tokenizer, recipe.model)
     first = None
     for spec in recipe.domains:
@@ -175,8 +181,12 @@ def _rl(recipe: Any) -> None:
     assert first is not None
     from posttrain.data import prompt_ids as render_prompt_ids, render_chat
 
-    prompt = render_chat(tokenizer, first.messages, generation_prompt=True)
-    prompt_ids = render_prompt_ids(tokenizer, [first.messages])[0]
+    if renderer is not None:
+        prompt = renderer.render(first.messages, generation_prompt=True)
+        prompt_ids = renderer.prompt(first.messages)[0]  # the images expanded to their tokens
+    else:
+        prompt = render_chat(tokenizer, first.messages, generation_prompt=True)
+        prompt_ids = render_prompt_ids(tokenizer, [first.messages])[0]
     new = recipe.rollout.sampling.max_new_tokens
     print(f"[validate] one task ({first.domain}, level {first.difficulty}, judged by {first.verifier}; the prompt is "
         f"context, the policy's {OPEN}completion{CLOSE} of up to {new} tokens per turn is trained):\n"

@@ -63,6 +63,10 @@ class ModelConfig(Section):
     lora: LoraConfig = LoraConfig()
     rope_scaling: RopeScalingConfig | None = None  # context extension (docs/long-context.md)
     seed: int = 0  # initialisation of the built-in model
+    # A vision-language model and its processor (docs/multimodal.md): `path` loads as image-text-to-text (a local
+    # `path` whose config has a `vision_config` is one anyway); unset `path`: the built-in tiny VLM on `preset`.
+    # Read by the RL recipe; SFT and DPO take images through `posttrain.train.run_vision_sft|dpo`.
+    vision: bool = False
 
 
 class OptimConfig(Section):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from posttrain.chat import IMAGE_PART_TYPES
 from posttrain.config import DataSource
 from posttrain.data.readers import OnInvalid, RejectLog, read_records, resolve_path, where
 from posttrain.data.schema import DataError, RecordError, SampleMetadata, _validate_metadata, message_role
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 VISION_HINT = "pip install 'posttrain[vision]' (or: pip install pillow)"
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
-IMAGE_PART_TYPES = ("image", "image_url")
 _MAX_PIXELS = 40_000_000  # one image above this is refused (a decompression bomb, or not meant for a VLM)
 
 

@@ -49,7 +49,7 @@ from posttrain.envs.episode import (
 from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
-from posttrain.envs.tokens import TranscriptTokens
+from posttrain.envs.tokens import PromptRenderer, TranscriptTokens
 from posttrain.envs.tool_env import ToolEnv
 from posttrain.envs.verifiers_env import VerifiersEnv, vf_task_messages
 from posttrain.envs.tools import TOOLS, ToolContext, ToolError, ToolSpec, get_tool, tool, tool_schemas
@@ -100,6 +100,7 @@ __all__ = [
     "episode_policy_tokens",
     "oldest_policy_version",
     "process_reward",
+    "PromptRenderer",
     "rollout_episode",
     "rollout_group",
     "rollout_many",

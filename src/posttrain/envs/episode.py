@@ -50,7 +50,7 @@ from typing import Any, Coroutine, Iterable, Sequence
 
 from posttrain.envs.base import Action, ToolInfraError, make_environment
 from posttrain.envs.policy import as_policy, turn_sampling
-from posttrain.envs.tokens import TranscriptTokens, strip_eos
+from posttrain.envs.tokens import PromptRenderer, TranscriptTokens, strip_eos
 from posttrain.types import FailureClass, GenerationRequest, Reward, SamplingParams, Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -99,17 +99,20 @@ async def rollout_episode(
     parser: Any = None,
     template_kwargs: dict[str, Any] | None = None,
     infra_retries: int = 0,
+    renderer: PromptRenderer | None = None,
 ) -> Trajectory:
     """Run one episode of `task` with `policy` and return its verified, token-exact trajectory.
 
     `policy` is an async policy (``await policy.generate(request, sampling) -> list[Completion]``) or a sync
     `InferenceEngine`. An infrastructure failure is retried up to `infra_retries` times; the count of attempts
-    is in ``metadata["attempts"]``.
+    is in ``metadata["attempts"]``. With a `renderer` (a vision-language model's processor,
+    `posttrain.envs.tokens.PromptRenderer`) the prompt may hold images: its ids and image tensors are the
+    renderer's, every turn's request carries the tensors and the trajectory keeps them (``image_inputs``).
     """
     policy = as_policy(policy)
     for attempt in range(infra_retries + 1):
         trajectory = await _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens,
-                                        parser, template_kwargs)
+                                        parser, template_kwargs, renderer)
         trajectory.group_id = group_id
         trajectory.metadata["attempts"] = attempt + 1
         if not trajectory.reward.is_infrastructure_failure:
@@ -204,7 +207,8 @@ def judging_wall_seconds(trajectories: Iterable[Trajectory]) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens, parser, template_kwargs):
+async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_tokens, parser, template_kwargs,
+                       renderer):
     started = time.monotonic()
     episode = _Episode(deadline=started + float(task.timeout_s))
     tokens: TranscriptTokens | None = None
@@ -217,7 +221,7 @@ async def _run_episode(policy, task, tokenizer, sampling, sandbox, max_context_t
             tokens = await _driven(env, policy, task, tokenizer, sampling, episode,
                                    _context_limit(max_context_tokens, tokenizer), template_kwargs)
         else:
-            tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs)
+            tokens = TranscriptTokens(tokenizer, observation.messages, observation.tools, template_kwargs, renderer)
             await _loop(policy, env, task, tokens, sampling, episode, _context_limit(max_context_tokens, tokenizer))
         if episode.pending_infra is not None:
             raise episode.pending_infra
@@ -246,7 +250,8 @@ async def _loop(policy, env, task, tokens, sampling, episode, context_limit):
         if room <= 0:
             episode.truncated = True
             return
-        request = GenerationRequest(prompt_token_ids=list(tokens.token_ids), request_id=f"{task.id}:{turn}")
+        request = GenerationRequest(prompt_token_ids=list(tokens.token_ids), request_id=f"{task.id}:{turn}",
+                                    image_inputs=tokens.image_inputs)
         if time.monotonic() >= episode.deadline:
             episode.timed_out = True
             return
@@ -414,6 +419,7 @@ def _trajectory(task: Task, tokens: TranscriptTokens | None, reward: Reward, epi
         truncated=episode.truncated,
         wall_s=wall_s,
         metadata=metadata,
+        image_inputs=getattr(tokens, "image_inputs", None),
     )
 
 

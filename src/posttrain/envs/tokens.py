@@ -13,6 +13,13 @@ The prompt's ids are cached per tokenizer (keyed by the messages, tools and temp
 tokenizer's chat template changes): the members of a GRPO group share their prompt, and rendering a chat template
 is the costly part of starting an episode.
 
+**Image prompts.** Given a `PromptRenderer` (a vision-language model's processor behind a protocol: envs may not
+import `models`; the rl room builds one, `posttrain.rl.vision.ProcessorRenderer`), the prompt's ids are the
+renderer's (the processor's expansion of each image into image tokens) and its image tensors are kept beside them
+(`image_inputs`: every turn's `GenerationRequest` carries them, the trajectory keeps them for the trainer); the
+deltas are rendered by the renderer's template (the processor's). Images come in the prompt only: an observation
+holding an image is an `EnvError`.
+
 So the policy's text is never tokenized again, and for a prefix-stable template decoding the sequence gives the
 template's rendering of the transcript. A template that rewrites earlier turns when a message is added (so the
 shorter rendering is not a prefix of the longer) cannot be used this way and raises `EnvError`.
@@ -24,9 +31,9 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
-from posttrain.chat import ChatTemplateError, encode_rendered, render_chat, require_prefix
+from posttrain.chat import ChatTemplateError, encode_rendered, first_image_message, render_chat, require_prefix
 from posttrain.envs.base import EnvError
 from posttrain.types import Completion, Message
 
@@ -44,10 +51,27 @@ def strip_eos(text: str, tokenizer: Any) -> str:
     return text[: -len(eos)] if eos and text.endswith(eos) else text
 
 
+class PromptRenderer(Protocol):
+    """Turns a prompt holding images into the ids an engine is prompted with and the image tensors beside them."""
+
+    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None,
+               template_kwargs: dict[str, Any]) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt's ids (rendered with the generation prompt, image tokens expanded) and its image tensors
+        (None for a prompt without images)."""
+        ...
+
+    def render(self, messages: list[Message], *, generation_prompt: bool, tools: list[dict[str, Any]] | None,
+               template_kwargs: dict[str, Any]) -> str:
+        """The template's text for `messages` (each image as its placeholder), as `posttrain.chat.render_chat`."""
+        ...
+
+
 class TranscriptTokens:
     def __init__(self, tokenizer: Any, messages: list[Message], tools: list[dict[str, Any]] | None = None,
-                 template_kwargs: dict[str, Any] | None = None):
+                 template_kwargs: dict[str, Any] | None = None, renderer: PromptRenderer | None = None):
         self.tokenizer = tokenizer
+        self.renderer = renderer
+        self.image_inputs: dict[str, Any] | None = None  # the prompt's image tensors (a renderer's)
         self.tools = tools or None
         self.template_kwargs = dict(template_kwargs or {})
         self.messages: list[Message] = [dict(m) for m in messages]
@@ -60,7 +84,11 @@ class TranscriptTokens:
         self.prompt_length = len(self.token_ids)
 
     def _prompt_ids(self) -> list[int]:
-        """The rendered prompt's ids, from the tokenizer's cache when this prompt was seen before."""
+        """The rendered prompt's ids, from the tokenizer's cache when this prompt was seen before (a renderer
+        keeps its own)."""
+        if self.renderer is not None:
+            ids, self.image_inputs = self.renderer.prompt(self.messages, self.tools, self.template_kwargs)
+            return list(ids)
         template = getattr(self.tokenizer, "chat_template", None)
         try:
             key = json.dumps([self.messages, self.tools, self.template_kwargs], sort_keys=True)
@@ -83,6 +111,9 @@ class TranscriptTokens:
 
     def render(self, messages: list[Message], generation_prompt: bool) -> str:
         try:
+            if self.renderer is not None:
+                return self.renderer.render(messages, generation_prompt=generation_prompt, tools=self.tools,
+                                            template_kwargs=self.template_kwargs)
             return render_chat(self.tokenizer, messages, generation_prompt=generation_prompt, tools=self.tools,
                                template_kwargs=self.template_kwargs)
         except ChatTemplateError as error:
@@ -103,6 +134,9 @@ class TranscriptTokens:
 
     def add_observation(self, new_messages: list[Message]) -> list[int]:
         """Append the template's delta for `new_messages` plus the next generation prompt; returns its ids."""
+        if self.renderer is not None and first_image_message(new_messages) is not None:
+            raise EnvError("an observation holds an image: images are taken in the prompt only (the engine's "
+                           "prefill gets the prompt's image tensors; a later image would be dropped)")
         before = self.render(self.messages, generation_prompt=False)
         after = self.render(self.messages + new_messages, generation_prompt=True)
         try:

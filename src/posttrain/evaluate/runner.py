@@ -40,6 +40,7 @@ class Policy:
     tokenizer: Any
     path: str
     device: str = "cpu"
+    renderer: Any = None  # image prompts: an `envs.PromptRenderer` (a vision-language model's processor)
 
 
 @dataclass
@@ -114,6 +115,8 @@ async def _collect(policy: Policy, tasks: list[Task], sampling: EvalSampling, ru
 
     options = {"max_concurrency": runtime.max_concurrency or runtime.batch_size,
                "infra_retries": runtime.infra_retries}
+    if policy.renderer is not None:
+        options["renderer"] = policy.renderer
     greedy = samples = None
     async with AsyncBatcher(policy.engine, max_batch_size=runtime.batch_size) as batcher:
         if sampling.greedy:
@@ -133,8 +136,10 @@ class SuiteEvaluator:
     version behind), loaded with `model`'s weights as `version` each time."""
 
     def __init__(self, suites: Sequence[Suite], tokenizer: Any, make_engine: Callable[[], Any], *,
-                 sampling: EvalSampling | None = None, runtime: EvalRuntime | None = None, device: str = "cpu"):
+                 sampling: EvalSampling | None = None, runtime: EvalRuntime | None = None, device: str = "cpu",
+                 renderer: Any = None):
         self.suites, self.tokenizer, self._make_engine = list(suites), tokenizer, make_engine
+        self.renderer = renderer
         self.sampling, self.runtime, self.device = sampling or EvalSampling(), runtime or EvalRuntime(), device
         self._engine = None
 
@@ -147,7 +152,7 @@ class SuiteEvaluator:
         if self._engine is None:
             self._engine = self._make_engine()
         self._engine.update_weights(state_for_engine(model), version)
-        policy = Policy(self._engine, self.tokenizer, f"<training, version {version}>", self.device)
+        policy = Policy(self._engine, self.tokenizer, f"<training, version {version}>", self.device, self.renderer)
         items, _ = run_items(policy, tasks, self.sampling, self.runtime)
         return score_suites(self.suites, items)
 

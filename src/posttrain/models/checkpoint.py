@@ -160,6 +160,13 @@ def load_weights_from_checkpoint(model: torch.nn.Module, checkpoint: Path) -> No
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])  # tied weights are saved once
     missing = [name for name in missing if name not in tied]
+    if (missing or unexpected) and getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        # A model whose `save_pretrained` writes its weights under other names than its modules' (LLaVA and other
+        # vision-language models keep the legacy `language_model.model.*` names on disk): let transformers read
+        # the directory back, then copy in place.
+        saved = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype)
+        missing, unexpected = model.load_state_dict(saved.state_dict(), strict=False)
+        missing = [name for name in missing if name not in tied]
     if missing or unexpected:
         raise RuntimeError(
             f"{checkpoint}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"

@@ -68,9 +68,19 @@ def vision_chat_template(image_text: str) -> str:
 def load_vision_model(path: str, *, dtype: str = "float32",
                       device: torch.device | str = "cpu") -> tuple[PreTrainedModel, ProcessorMixin]:
     """The image-text-to-text model at `path` (a local directory or hub id) and its processor."""
-    _require_dir_or_hub_id(path, "model.path")
     if dtype not in _DTYPES:
         raise ModelError(f"model.dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+    processor = load_processor(path)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=_DTYPES[dtype])
+    except (OSError, ValueError) as error:
+        raise _load_error(path, "model.path", "not an image-text-to-text model directory", error) from None
+    return model.to(device), processor
+
+
+def load_processor(path: str) -> ProcessorMixin:
+    """The processor of the vision-language model at `path` (no weights loaded), with its chat template."""
+    _require_dir_or_hub_id(path, "model.path")
     try:
         processor = AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as error:
@@ -78,14 +88,10 @@ def load_vision_model(path: str, *, dtype: str = "float32",
     if not hasattr(processor, "image_processor"):
         raise ModelError(f"{path}: the processor ({type(processor).__name__}) has no image processor: "
                          "not a vision-language model")
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=_DTYPES[dtype])
-    except (OSError, ValueError) as error:
-        raise _load_error(path, "model.path", "not an image-text-to-text model directory", error) from None
     if not getattr(processor, "chat_template", None) and not getattr(processor.tokenizer, "chat_template", None):
         raise ModelError(f"{path}: the processor has no chat template; save one with the processor "
                          "(processor.chat_template = ...; processor.save_pretrained(path))")
-    return model.to(device), processor
+    return processor
 
 
 def vision_inputs(processor: ProcessorMixin, messages: Sequence[dict[str, Any]],

@@ -33,12 +33,25 @@ from posttrain.rl.guarding import RunGuard
 from posttrain.rl.learned import Critic, LearnedReward, make_critic
 from posttrain.rl.pipeline import BatchProducer, RolloutBatch, RolloutPipeline, engine_rollout, episode_record
 from posttrain.rl.trainer import RLResult, run_rl, run_rl_on, starting_tokenizer
-from posttrain.rl.vision import VisionGRPOResult, image_engine, run_vision_grpo, vision_grpo_update
+from posttrain.rl.vision import (
+    ProcessorRenderer,
+    VisionGRPOResult,
+    image_engine,
+    load_vision_policy,
+    policy_processor,
+    run_vision_grpo,
+    vision_grpo_update,
+    wants_vision,
+)
 from posttrain.rl.update import LocalPolicy, UpdateSettings, engine_state, make_reference, rl_update
 
 __all__ = [
     "VisionGRPOResult",
+    "ProcessorRenderer",
     "image_engine",
+    "load_vision_policy",
+    "policy_processor",
+    "wants_vision",
     "vision_grpo_update",
     "run_vision_grpo",
     "BatchProducer",

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.config import DistillTasksConfig, RLRecipe
+from posttrain.config import ConfigError, DistillTasksConfig, RLRecipe
 from posttrain.data import prompt_ids
 from posttrain.envs import run_episodes
 from posttrain.evaluate import image_sample
@@ -69,12 +69,15 @@ class RLBackend:
 BackendFactory = Callable[[RLRecipe, Runtime, Any, torch.nn.Module], RLBackend]
 
 
-def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module) -> RLBackend:
-    """The policy trained in this process, rollouts from an HF engine beside it on the producer thread."""
+def local_backend(recipe: RLRecipe, runtime: Runtime, tokenizer, model: torch.nn.Module, *,
+                  renderer: Any = None) -> RLBackend:
+    """The policy trained in this process, rollouts from an HF engine beside it on the producer thread (image
+    prompts through `renderer`, an `envs.PromptRenderer`, when the policy is a vision-language model)."""
     threads_before = torch.get_num_threads()
     engine_threads = split_cpu_threads(recipe, runtime)
     engine = make_engine(model, tokenizer, runtime, recipe, num_threads=engine_threads)
-    return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, engine_rollout(engine, tokenizer, recipe),
+    rollout = engine_rollout(engine, tokenizer, recipe, renderer)
+    return RLBackend(LocalPolicy(model, tokenizer, runtime, recipe), engine, rollout,
                      thread_setup=thread_budget(engine_threads), close=lambda: torch.set_num_threads(threads_before))
 
 
@@ -108,10 +111,23 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_thread
     for parameter in engine_model.parameters():
         parameter.requires_grad_(False)
     spec = recipe.rollout.speculative
+    if is_vision_model(model):
+        # Image prompts: the generic runner feeds the image tensors to the prefill (the fast decoder and speculative
+        # decoding take text only).
+        if spec.draft is not None:
+            raise ConfigError("rollout.speculative: speculative decoding takes text prompts only; unset "
+                                "rollout.speculative.draft for a vision-language policy")
+        return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype, runner="generic",
+                        max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads)
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
                     max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads,
                     compile=recipe.runtime.compile is True,  # "auto" is decided in run_rl_on
                     speculative=load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram))
+
+
+def is_vision_model(model: torch.nn.Module) -> bool:
+    """A vision-language model (its config has a ``vision_config``)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
 def thread_budget(threads: int | None) -> Callable[[], None] | None:

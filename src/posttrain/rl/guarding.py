@@ -46,13 +46,15 @@ def regression_suites(recipe: RLRecipe) -> list[Suite]:
     return suites
 
 
-def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime) -> EvaluateFn:
+def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, runtime: Runtime,
+                    renderer=None) -> EvaluateFn:
     """Greedy pass@1 of every suite through `posttrain.evaluate`, on an engine of its own (built at the first
-    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts."""
+    evaluation: the rollout engine may be a version behind); infrastructure failures retried as in rollouts;
+    image prompts through `renderer` (a vision-language policy's)."""
     sampling = EvalSampling(max_new_tokens=recipe.rollout.sampling.max_new_tokens, greedy=True)
     eval_runtime = EvalRuntime(batch_size=recipe.rollout.engine_batch_size, infra_retries=recipe.rollout.infra_retries)
     return SuiteEvaluator(suites, tokenizer, lambda: make_engine(model, tokenizer, runtime, recipe),
-                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type)
+                          sampling=sampling, runtime=eval_runtime, device=runtime.device.type, renderer=renderer)
 
 
 def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:

@@ -282,8 +282,9 @@ def batch_seed(seed: int, index: int, round_index: int = 0, attempt: int = 0) ->
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big")
 
 
-def engine_rollout(engine: Any, tokenizer: Any, recipe: RLRecipe) -> RolloutFn:
-    """Groups of `group_size` episodes per task through the engine (batched by an `AsyncBatcher`)."""
+def engine_rollout(engine: Any, tokenizer: Any, recipe: RLRecipe, renderer: Any = None) -> RolloutFn:
+    """Groups of `group_size` episodes per task through the engine (batched by an `AsyncBatcher`); image prompts
+    through `renderer` (a `envs.PromptRenderer`: `rl.vision.ProcessorRenderer`)."""
     rollout = recipe.rollout
     rollout_inline = recipe.pipeline.max_staleness == 0
 
@@ -296,6 +297,7 @@ def engine_rollout(engine: Any, tokenizer: Any, recipe: RLRecipe) -> RolloutFn:
             return await rollout_many(
                 batcher, tasks, tokenizer, sampling, n=rollout.sampling.group_size,
                 max_concurrency=rollout.max_concurrent_episodes, infra_retries=rollout.infra_retries,
+                renderer=renderer,
             )
 
     def run(tasks: list[Task], sampling: SamplingParams) -> list[Trajectory]:

@@ -27,6 +27,13 @@ Every guard event is printed, logged as ``guard/event/<kind>`` and kept in ``sch
 goes to ``episodes.jsonl`` (the data flywheel). Tasks come from a `posttrain.schedule` sampler (by default the
 `Scheduler` the recipe's `schedule:` section configures).
 
+**Images** (`model.vision: true`, or a `model.path` whose config has a `vision_config`; docs/multimodal.md): the
+policy is a vision-language model with its processor (`rl.vision.load_vision_policy`; unset `model.path`: the
+built-in tiny VLM), the processor's tokenizer goes wherever a tokenizer goes, and the episode loop renders image
+prompts through the processor (`rl.vision.ProcessorRenderer`): the engine's prefill and the trainer's forward get
+the same image tensors (the trajectory carries them), the self-test runs on the domains' image prompts, and
+checkpoints hold the processor. Local backend, group-relative advantages, no LoRA, no learned rewards yet.
+
 Where the policy trains and where rollouts run is an `RLBackend` (`rl.backend`): `run_rl` uses `local_backend`
 (this process: the model, an HF engine beside it, rollouts on a producer thread); `posttrain.distributed` passes
 its own to `run_rl_on` (engine actors, an FSDP trainer group), and the loop below is the same.
@@ -70,6 +77,7 @@ from posttrain.rl.pipeline import (
 )
 from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
 from posttrain.rl.update import PolicyTrainer
+from posttrain.rl.vision import ProcessorRenderer, load_vision_policy, wants_vision
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import TaskError, get_domain, sample_tasks
 from posttrain.tracking import Tracker, say
@@ -127,6 +135,8 @@ class _Run:
     guard: RunGuard
     runtime: Runtime
     pipeline: RolloutPipeline | None = None
+    processor: Any = None  # a vision-language policy's processor (its tokenizer is `tokenizer`)
+    renderer: ProcessorRenderer | None = None  # image prompts in the episode loop (with `processor`)
     learned_reward: LearnedReward | None = None  # the recipe's `reward_model:` section
     process_model: ProcessRewardModel | None = None  # the recipe's `process_reward_model:` section
     critic: Critic | None = None  # algorithm.advantage: gae
@@ -167,20 +177,30 @@ def run_rl_on(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     runtime = setup_runtime(recipe.runtime)
+    vision = wants_vision(recipe.model)
+    if vision and recipe.runtime.compile == "auto":  # the decoder compile is for text models
+        recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(update={"compile": False})})
     # compile "auto" decided once, here: the trainer and the engine(s) then read a plain true/false
     recipe = recipe.model_copy(update={"runtime": resolve_compile(recipe.runtime, recipe.train.max_steps,
                                                                   runtime.device)})
     # Policy (model.path, or a fresh built-in model: `starting_tokenizer`), engine(s) with their own copy of the
     # weights, reference (only when the KL term is on).
-    tokenizer = starting_tokenizer(recipe)
-    model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
+    processor = renderer = None
+    if vision:  # a vision-language policy: its processor's tokenizer everywhere
+        _require_vision_support(recipe, make_backend)
+        model, processor = load_vision_policy(recipe.model, None if recipe.model.path else starting_tokenizer(recipe),
+                                              runtime.device)
+        tokenizer, renderer = processor.tokenizer, ProcessorRenderer(processor)
+    else:
+        tokenizer = starting_tokenizer(recipe)
+        model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     # The critic copies the starting policy before a backend takes the model (and perhaps shards it).
     critic = make_critic(recipe, model, tokenizer, runtime) if recipe.algorithm.advantage == "gae" else None
     learned = LearnedReward(recipe.reward_model, tokenizer, runtime.device) if recipe.reward_model else None
-    backend = make_backend(recipe, runtime, tokenizer, model)
+    backend = make_backend(recipe, runtime, tokenizer, model, **({"renderer": renderer} if renderer else {}))
     try:
         return _train(recipe, backend, runtime, tokenizer, output_dir, resume=resume, sampler=sampler, on_step=on_step,
-                      learned_reward=learned, critic=critic)
+                      learned_reward=learned, critic=critic, processor=processor, renderer=renderer)
     finally:
         backend.policy.close()
         if backend.close is not None:
@@ -189,11 +209,11 @@ def run_rl_on(
 
 def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, *, resume: bool,
            sampler: TaskSampler | None, on_step, learned_reward: LearnedReward | None,
-           critic: Critic | None) -> RLResult:
+           critic: Critic | None, processor: Any = None, renderer: ProcessorRenderer | None = None) -> RLResult:
     sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
     suites = regression_suites(recipe)
     run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime,
-               learned_reward=learned_reward, critic=critic)
+               processor=processor, renderer=renderer, learned_reward=learned_reward, critic=critic)
     if recipe.process_reward_model is not None:
         run.process_model = ProcessRewardModel(recipe.process_reward_model, tokenizer, runtime.device)
     policy, engine = run.policy, run.engine
@@ -210,11 +230,12 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         gap = engine_trainer_self_test(engine, policy.full_model(), tokenizer, probe, runtime,
                                        temperature=recipe.rollout.sampling.temperature,
                                        max_new_tokens=recipe.rollout.sampling.max_new_tokens,
-                                       tolerance=recipe.pipeline.self_test_tolerance, seed=recipe.runtime.seed)
+                                       tolerance=recipe.pipeline.self_test_tolerance, seed=recipe.runtime.seed,
+                                       processor=run.processor)
         tracker.log({f"selftest/{k}": v for k, v in gap.items()}, step=cursor.step)
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
-    evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime)
+    evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime, renderer=run.renderer)
     history: list[dict[str, float]] = []
     logs = _Logs(open(output_dir / EPISODES_FILE, "a", encoding="utf-8"),
                  open(output_dir / EVENTS_FILE, "a", encoding="utf-8"))
@@ -247,7 +268,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
             if on_step is not None and on_step(step, metrics):
                 break
         _save(run, cursor)
-        final_dir = save_model_dir(output_dir / "final", policy.full_model(), tokenizer,
+        final_dir = save_model_dir(output_dir / "final", policy.full_model(), run.processor or tokenizer,
                                    merge_lora=recipe.model.lora.merge_on_save)
         if run.critic is not None:
             run.critic.save(output_dir / "critic")
@@ -387,6 +408,8 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     batch = run.pipeline.next_batch()
     replay = run.guard.replay_batch(step)
     trajectories, counts = select_trainable(batch.trajectories, step, recipe)
+    if run.renderer is not None:  # a batch restored from a checkpoint kept its images' reference, not the pixels
+        run.renderer.attach(trajectories)
     metrics = run.learned_reward.annotate(trajectories) if run.learned_reward is not None else {}
     if run.process_model is not None:
         metrics.update(run.process_model.annotate(trajectories))
@@ -507,14 +530,39 @@ def domain_corpus(recipe: RLRecipe) -> list[str]:
         source = get_domain(spec.name, **spec.args)
         for task in sample_tasks(source, CORPUS_TASKS_PER_DOMAIN, level=spec.levels, split="train", seed=11,
                                  unique=False):
-            texts += [str(m.get("content") or "") for m in task.messages]
+            texts += [_text_of(m) for m in task.messages]
             try:
                 sample = source.demonstration(task)
             except (TaskError, KeyError, NotImplementedError):
                 continue  # a dataset without solutions: its prompts only
-            texts += [str(m.get("content") or "") for m in sample.messages]
+            texts += [_text_of(m) for m in sample.messages]
             texts.append(sample.metadata.reasoning_trace or "")
     return texts
+
+
+def _text_of(message: dict[str, Any]) -> str:
+    """A message's text: its string content, or its text parts (an image task's image part is no text)."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _require_vision_support(recipe: RLRecipe, make_backend: BackendFactory) -> None:
+    """What the image path does not take yet, refused before anything loads (docs/multimodal.md)."""
+    unsupported = {
+        "cluster.backend: images train in one process only (the local backend)":
+            recipe.cluster.backend != "local" or make_backend is not local_backend,
+        "algorithm.advantage: gae (the critic scores text only)": recipe.algorithm.advantage == "gae",
+        "reward_model / process_reward_model (they score text only)":
+            recipe.reward_model is not None or recipe.process_reward_model is not None,
+        "runtime.compile: true": recipe.runtime.compile is True,
+        "runtime.activation_checkpointing": recipe.runtime.activation_checkpointing,
+        "rollout.engine: vllm (the built-in engine takes image prompts)": recipe.rollout.engine == "vllm",
+    }
+    refused = [what for what, hit in unsupported.items() if hit]
+    if refused:
+        raise ConfigError("model.vision: not supported with a vision-language policy yet: " + "; ".join(refused))
 
 
 def sampler_preview(recipe: RLRecipe) -> list[Task]:
@@ -536,7 +584,8 @@ def _save(run: _Run, cursor: _Cursor) -> None:
     write_extra = None
     if run.critic is not None:
         extra_state["critic"], write_extra = run.critic.state_dict(), run.critic.save_into_checkpoint
-    write_checkpoint(run.output_dir, run.policy.full_model(), run.tokenizer, trainer_state=run.policy.state_dict(),
+    write_checkpoint(run.output_dir, run.policy.full_model(), run.processor or run.tokenizer,
+                     trainer_state=run.policy.state_dict(),
                      cursor=vars(cursor).copy(), keep=run.recipe.train.keep_checkpoints, extra_state=extra_state,
                      write_extra=write_extra)
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from posttrain.chat import first_image_message
 from posttrain.config import OptimConfig, PolicyLossConfig, RLRecipe
 from posttrain.data import Row, SFTSample, collate, tokenize_samples
 from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy, reference_mode
@@ -60,8 +61,8 @@ from posttrain.train import (
 )
 from posttrain.types import Trajectory
 
-# (input_ids, attention_mask, score_mask) -> reference log-probs of the scored tokens, [N]
-ReferenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (input_ids, attention_mask, score_mask, **image_inputs) -> reference log-probs of the scored tokens, [N]
+ReferenceFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,8 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
             logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
                                                    temperature=temperature, entropy=True,
-                                                   attention_mask=micro.attention_mask)
+                                                   attention_mask=micro.attention_mask,
+                                                   **micro.images_for(model))
         weights = None
         if config.old_policy == "behaviour":
             old = micro.behaviour
@@ -270,7 +272,8 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
         stats["entropy"] = float(entropy.detach().mean())
         if config.kl_coef and reference is not None:
             with torch.no_grad(), runtime.autocast():
-                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask).float()
+                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask,
+                                         **micro.images_for(model)).float()
             kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
             loss = loss + config.kl_coef * reduce(kl)
             stats["kl"] = float(kl.detach().mean())
@@ -346,8 +349,8 @@ def _proximal_logprobs(model, trajectories, advantages, order: list[int], settin
                                      settings.pad_id, runtime.device)
         with runtime.autocast():
             logprobs = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
-                                          temperature=settings.temperature,
-                                          attention_mask=micro.attention_mask).logprobs
+                                          temperature=settings.temperature, attention_mask=micro.attention_mask,
+                                          **micro.images_for(model)).logprobs
         for row, index in enumerate(chunk):
             cache[index] = logprobs[micro.seq_index == row]
     model.train()
@@ -363,6 +366,15 @@ class _MicroBatch:
     behaviour: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     seq_index: torch.Tensor  # [N] index of the sequence within the mini-batch
+    # the image prompts' tensors (``pixel_values`` ...), the rows' joined in row order; empty for text rows
+    image_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def images_for(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The image tensors as the model's forward takes them: floating ones in its parameters' dtype (a bf16
+        vision tower), the rest as they are."""
+        dtype = next(model.parameters()).dtype
+        return {key: value.to(dtype) if value.is_floating_point() else value
+                for key, value in self.image_inputs.items()}
 
 
 def collate_trajectories(
@@ -390,6 +402,7 @@ def collate_trajectories(
         adv.append(_token_advantages(advantage, count, trajectory.task_id))
         seq.append(torch.full((count,), row, dtype=torch.long))
     return _MicroBatch(
+        image_inputs=join_image_inputs(trajectories, device),
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
         score_mask=score.to(device),
@@ -398,6 +411,27 @@ def collate_trajectories(
         advantages=torch.cat(adv).to(device),
         seq_index=torch.cat(seq).to(device),
     )
+
+
+def join_image_inputs(trajectories: Sequence[Trajectory], device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows' image tensors joined along their first axis in row order, as `models.collate_vision` batches
+    them (a VLM's forward matches the images to the image tokens in order, row by row); text rows add nothing.
+    A row whose prompt holds an image but whose tensors are missing is an error: scored without its image, the
+    sampled tokens would get other log-probs than the engine's."""
+    joined: dict[str, list[torch.Tensor]] = {}
+    for trajectory in trajectories:
+        images = trajectory.image_inputs
+        if not images:
+            if first_image_message(trajectory.messages) is not None:
+                raise ValueError(f"trajectory of {trajectory.task_id}: its prompt holds an image but it carries no "
+                                 "image tensors (a restored batch: `rl.vision.ProcessorRenderer.attach` them)")
+            continue
+        if joined and set(images) != set(joined):
+            raise ValueError(f"trajectory of {trajectory.task_id}: image tensors {sorted(images)} differ from the "
+                             f"batch's {sorted(joined)}")
+        for key, value in images.items():
+            joined.setdefault(key, []).append(torch.as_tensor(value))
+    return {key: torch.cat(values).to(device) for key, values in joined.items()}
 
 
 def _token_advantages(advantage: float | Sequence[float], count: int, task_id: str) -> torch.Tensor:
@@ -449,10 +483,11 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         for parameter in scorer.parameters():
             parameter.requires_grad_(False)
 
-    def reference(input_ids, attention_mask, score_mask):
+    def reference(input_ids, attention_mask, score_mask, **image_inputs):
         with switched():
             return scored_token_stats(scorer, input_ids, score_mask, input_ids[:, 1:][score_mask],
-                                      temperature=temperature, attention_mask=attention_mask).logprobs
+                                      temperature=temperature, attention_mask=attention_mask,
+                                      **image_inputs).logprobs
 
     return reference
 
