@@ -5,7 +5,8 @@
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
 (`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn in a child process of its own, or
-with ``--layout thread`` on a second thread, ``--http-thread``). Per repeat, in turn:
+with ``--layout thread`` on a second thread, ``--http-thread``), with serve's own torch threads (on a CPU every
+core but one, left to the HTTP side) unless ``--threads`` sets both sides'. Per repeat, in turn:
 
 * served: ``--clients`` concurrent streaming chat requests from the official `openai` async client, temperature
   1, request i seeded with i; completion tokens/s over the wall time from the first request sent to the last
