@@ -61,6 +61,15 @@ def chats(clients: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"What is {17 * i + 3} + {29 * i + 11}?"}] for i in range(clients)]
 
 
+def encode_chats(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Each chat's prompt ids, by the tokenizer's chat template (what the server sends the engine)."""
+    prompt_ids = []
+    for messages in prompts:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+    return prompt_ids
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -265,10 +274,7 @@ def main() -> None:
         checkpoint = make_checkpoint(Path(scratch) / MODEL)
         engine = load_engine(checkpoint, precision=args.precision, num_threads=args.threads)
         prompts = chats(args.clients)
-        prompt_ids = []
-        for messages in prompts:
-            encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+        prompt_ids = encode_chats(engine.tokenizer, prompts)
         port = free_port()
         server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval, args.layout)
         url = f"http://127.0.0.1:{port}"

@@ -25,7 +25,7 @@ import torch
 from posttrain.rollout import ContinuousBatcher, StreamRequest
 from posttrain.serve import load_engine
 from posttrain.types import GenerationRequest, SamplingParams
-from serve import MODEL, chats, make_checkpoint  # bench/serve.py, beside this file
+from serve import MODEL, chats, encode_chats, make_checkpoint  # bench/serve.py, beside this file
 
 
 def _sampling(max_tokens: int, seed: int | None = None) -> SamplingParams:
@@ -64,10 +64,7 @@ def main() -> None:
         engine = load_engine(make_checkpoint(Path(scratch) / MODEL), num_threads=args.threads)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    prompt_ids = []
-    for messages in chats(args.clients):
-        encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+    prompt_ids = encode_chats(engine.tokenizer, chats(args.clients))
     batcher = ContinuousBatcher(engine)
     batcher_run(batcher, prompt_ids, 4), offline_run(engine, prompt_ids, 4)  # warm-up
     served, offline = [], []
