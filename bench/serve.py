@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -138,8 +140,11 @@ class RawClients:
         request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
         reader, writer = await self._connection(index)
-        writer.write(request)
-        status = await reader.readline()
+        try:
+            writer.write(request)
+            status = await reader.readline()
+        except ConnectionError:  # closed by the server while idle, and reset (httptools) rather than ended
+            status = b""
         if not status:  # the server closed the idle kept-alive connection (uvicorn: after 5 s): open a new one
             self.connections[index] = reader, writer = await asyncio.open_connection(self.host, self.port)
             writer.write(request)
@@ -246,6 +251,10 @@ def start_server(checkpoint: Path, port: int, precision: str, threads: int | Non
             process.kill()
             raise SystemExit("the server did not start:\n" + "".join(seen))
         seen.append(line)
+    # Keep reading what the server prints (a full pipe would block its writes, and with them the server), the
+    # last lines kept for the report of a failed run.
+    process.lines = collections.deque(maxlen=40)
+    threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True).start()
     return process
 
 
@@ -311,6 +320,9 @@ def main() -> None:
                       f"p95 {ttft95[-1] * 1000:.0f} ms; CPU s served "
                       + " ".join(f"{k} {v:.2f}" for k, v in served_cpu[-1].items())
                       + f", offline {offline_cpu[-1]:.2f}", flush=True)
+        except BaseException:
+            print("the server's last lines:\n" + "".join(server.lines), file=sys.stderr)
+            raise
         finally:
             clients.close()
             server.terminate()
