@@ -5,7 +5,8 @@
 
 One random-init tiny-3m checkpoint is saved to a temporary directory and served by the real command
 (`posttrain serve`, a subprocess: its engine loop on its main thread, uvicorn in a child process of its own, or
-with ``--layout thread`` on a second thread, ``--http-thread``). Per repeat, in turn:
+with ``--layout thread`` on a second thread, ``--http-thread``), with serve's own torch threads (on a CPU every
+core but one, left to the HTTP side) unless ``--threads`` sets both sides'. Per repeat, in turn:
 
 * served: ``--clients`` concurrent streaming chat requests from the official `openai` async client, temperature
   1, request i seeded with i; completion tokens/s over the wall time from the first request sent to the last
@@ -18,7 +19,9 @@ with ``--layout thread`` on a second thread, ``--http-thread``). Per repeat, in 
 * baseline: transformers' ``model.generate`` on the same model, one request at a time (what a server without
   batching does); its time to first token for request i is when its turn comes plus its first token.
 
-Figures are medians over the repeats (the machine is shared). Ends with one JSON line; ``ratio`` is served
+Figures are medians over the repeats (the machine is shared). Beside the rates, the CPU seconds each side
+used per run (``served_cpu_s``: the server's engine process, its HTTP process, the clients; ``offline_cpu_s``),
+which a loaded machine disturbs less than the wall clock. Ends with one JSON line; ``ratio`` is served
 tokens/s over offline tokens/s (target >= 0.8).
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -33,13 +37,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from posttrain.models import build_tiny_model, save_model_dir, train_tokenizer
-from posttrain.serve import free_port, load_engine
+from posttrain.serve import free_port, load_engine, serving_threads
 from posttrain.types import GenerationRequest, SamplingParams
 
 MODEL = "tiny-3m"
@@ -56,6 +61,15 @@ def make_checkpoint(directory: Path) -> Path:
 
 def chats(clients: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"What is {17 * i + 3} + {29 * i + 11}?"}] for i in range(clients)]
+
+
+def encode_chats(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Each chat's prompt ids, by the tokenizer's chat template (what the server sends the engine)."""
+    prompt_ids = []
+    for messages in prompts:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+    return prompt_ids
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -126,8 +140,11 @@ class RawClients:
         request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body)
         reader, writer = await self._connection(index)
-        writer.write(request)
-        status = await reader.readline()
+        try:
+            writer.write(request)
+            status = await reader.readline()
+        except ConnectionError:  # closed by the server while idle, and reset (httptools) rather than ended
+            status = b""
         if not status:  # the server closed the idle kept-alive connection (uvicorn: after 5 s): open a new one
             self.connections[index] = reader, writer = await asyncio.open_connection(self.host, self.port)
             writer.write(request)
@@ -190,6 +207,22 @@ def baseline(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> 
     return tokens, time.perf_counter() - started, ttfts
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(pid: int) -> dict[str, int]:
+    """The server's engine process and, with the process layout, its HTTP child (multiprocessing's spawned
+    process; not its resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    http = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return {"engine": pid, **({"http": http[0]} if http else {})}
+
+
 def server_ttft(url: str) -> tuple[float, int]:
     """The server's own time-to-first-token sum and count (submitted to first token sampled, from /metrics)."""
     import urllib.request
@@ -218,6 +251,10 @@ def start_server(checkpoint: Path, port: int, precision: str, threads: int | Non
             process.kill()
             raise SystemExit("the server did not start:\n" + "".join(seen))
         seen.append(line)
+    # Keep reading what the server prints (a full pipe would block its writes, and with them the server), the
+    # last lines kept for the report of a failed run.
+    process.lines = collections.deque(maxlen=40)
+    threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True).start()
     return process
 
 
@@ -228,7 +265,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for the server's engine and the offline engine (1 on a loaded machine)")
+                        help="torch threads for the server's engine and the offline engine (default: torch's for "
+                             "offline, serve's own for the server: all cores but one on a CPU)")
     parser.add_argument("--client", default="raw", choices=["raw", "openai"],
                         help="raw: lean asyncio clients that parse only the usage chunk; openai: the official SDK")
     parser.add_argument("--stream-interval", type=float, default=0.0,
@@ -245,10 +283,7 @@ def main() -> None:
         checkpoint = make_checkpoint(Path(scratch) / MODEL)
         engine = load_engine(checkpoint, precision=args.precision, num_threads=args.threads)
         prompts = chats(args.clients)
-        prompt_ids = []
-        for messages in prompts:
-            encoded = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompt_ids.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+        prompt_ids = encode_chats(engine.tokenizer, prompts)
         port = free_port()
         server = start_server(checkpoint, port, args.precision, args.threads, args.stream_interval, args.layout)
         url = f"http://127.0.0.1:{port}"
@@ -257,24 +292,37 @@ def main() -> None:
             for _ in range(2):  # warm-up: every client's connection, the server's first requests and steps
                 clients.run(prompts, 4)
             offline(engine, prompt_ids, 4)
+            pieces = server_processes(server.pid)  # CPU seconds per served run, per process
             served_rates, offline_rates, ttft50, ttft95, inside = [], [], [], [], []
+            served_cpu: list[dict[str, float]] = []
+            offline_cpu: list[float] = []
             for repeat in range(args.repeats):
                 order = ("served", "offline") if repeat % 2 == 0 else ("offline", "served")
                 for side in order:
                     if side == "served":
                         before = server_ttft(url)
+                        cpu_before = {k: process_cpu_s(p) for k, p in pieces.items()}, time.process_time()
                         tokens, seconds, ttfts = clients.run(prompts, args.max_tokens)
+                        served_cpu.append({**{k: process_cpu_s(p) - cpu_before[0][k] for k, p in pieces.items()},
+                                           "clients": time.process_time() - cpu_before[1]})
                         after = server_ttft(url)
                         inside.append((after[0] - before[0]) / max(1, after[1] - before[1]))
                         served_rates.append(tokens / seconds)
                         ttft50.append(percentile(ttfts, 0.5))
                         ttft95.append(percentile(ttfts, 0.95))
                     else:
+                        cpu_before = time.process_time()
                         tokens, seconds = offline(engine, prompt_ids, args.max_tokens)
+                        offline_cpu.append(time.process_time() - cpu_before)
                         offline_rates.append(tokens / seconds)
                 print(f"repeat {repeat} (load {os.getloadavg()[0]:.1f}): served {served_rates[-1]:,.0f} tok/s, "
                       f"offline {offline_rates[-1]:,.0f} tok/s, TTFT p50 {ttft50[-1] * 1000:.0f} ms "
-                      f"p95 {ttft95[-1] * 1000:.0f} ms", flush=True)
+                      f"p95 {ttft95[-1] * 1000:.0f} ms; CPU s served "
+                      + " ".join(f"{k} {v:.2f}" for k, v in served_cpu[-1].items())
+                      + f", offline {offline_cpu[-1]:.2f}", flush=True)
+        except BaseException:
+            print("the server's last lines:\n" + "".join(server.lines), file=sys.stderr)
+            raise
         finally:
             clients.close()
             server.terminate()
@@ -288,11 +336,16 @@ def main() -> None:
         "bench": "serve", "model": MODEL, "clients": args.clients, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "precision": args.precision, "client": args.client,
         "stream_interval_s": args.stream_interval, "threads": torch.get_num_threads(),
+        "server_threads": args.threads or serving_threads(),  # serve's default on a CPU: all cores but one
         "served_tokens_per_s": round(served_rate, 1), "offline_tokens_per_s": round(offline_rate, 1),
         "ttft_p50_ms": round(statistics.median(ttft50) * 1000, 1),
         "ttft_p95_ms": round(statistics.median(ttft95) * 1000, 1),
         "server_ttft_mean_ms": round(statistics.median(inside) * 1000, 1),
         "layout": args.layout,
+        # CPU seconds per run (medians; less sensitive to the machine's load than the wall-clock rates): the
+        # server's engine process, its HTTP process (process layout), the clients (this process), and offline
+        "served_cpu_s": {k: round(statistics.median(c[k] for c in served_cpu), 3) for k in served_cpu[0]},
+        "offline_cpu_s": round(statistics.median(offline_cpu), 3),
         "load_avg_1m": [round(load, 1) for load in loads] + [round(os.getloadavg()[0], 1)],
         "ratio": round(served_rate / offline_rate, 3),
     }

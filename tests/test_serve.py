@@ -427,3 +427,18 @@ def test_stream_wake_ups_are_coalesced_to_the_interval():
         return first, held, event.is_set()
 
     assert asyncio.run(scenario()) == (True, True, True)
+
+
+def test_served_engine_leaves_one_core_to_the_http_side_on_a_cpu():
+    import torch
+
+    from posttrain.serve import serving_threads
+    from posttrain.serve.remote import event_loop
+
+    assert serving_threads("cpu") == max(1, torch.get_num_threads() - 1)
+    assert serving_threads("cuda") is None  # a GPU engine keeps torch's default
+    loop = event_loop()  # the HTTP process's loop: uvloop's where the serve extra installed it
+    try:
+        assert loop.run_until_complete(asyncio.sleep(0, result="ran")) == "ran"
+    finally:
+        loop.close()

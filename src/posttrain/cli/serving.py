@@ -12,7 +12,8 @@ def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     sub.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                      help="matmul precision (auto: bf16 where the device runs it fast)")
-    sub.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
+    sub.add_argument("--threads", type=int, default=None,
+                     help="torch threads for the engine (serve on a CPU: all cores but one, left to the HTTP side)")
     sub.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup) or a draft model "
                      "directory with the same tokenizer (hf engine; requests are then batched per call)")
     sub.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per speculative round")
@@ -39,10 +40,11 @@ def add_arguments(name: str, sub: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from posttrain.serve import make_backend
+    from posttrain.serve import make_backend, serving_threads
     from posttrain.serve import serve as run
 
-    options = {"device": args.device, "precision": args.precision, "num_threads": args.threads,
+    threads = args.threads if args.threads is not None else serving_threads(args.device)
+    options = {"device": args.device, "precision": args.precision, "num_threads": threads,
                "max_batch_size": args.max_batch_size, "draft": args.draft, "num_draft_tokens": args.num_draft_tokens}
     if args.engine == "hf":
         backend = make_backend(args.checkpoint, "hf", stream_interval_s=args.stream_interval, **options)

@@ -14,7 +14,8 @@ endpoints, the error rules and measured throughput.
 from posttrain.serve.app import create_app
 from posttrain.serve.backends import Backend, HFBackend, VLLMBackend
 from posttrain.serve.errors import APIError, ServeError
-from posttrain.serve.server import ServerHandle, free_port, load_engine, make_backend, serve, start_server
+from posttrain.serve.server import (ServerHandle, free_port, load_engine, make_backend, serve, serving_threads,
+                                   start_server)
 from posttrain.serve.chat import ChatSettings, run_chat
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "make_backend",
     "run_chat",
     "serve",
+    "serving_threads",
     "start_server",
 ]

@@ -230,6 +230,9 @@ def merge_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
+_DECODE_WINDOW = 8  # tokens `TextStream` decodes again at each token: between 8 and 16
+
+
 class TextStream:
     """Turns one sequence's tokens into safe-to-send text deltas while it is being sampled.
 
@@ -246,10 +249,14 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""  # the decoded tokens so far
         self.sent = ""
+        # Incremental decoding (`_decoded`): the text before the window, the window's first token, and the
+        # window's decode when it was placed. Not for tokenizers that clean up spaces across tokens (" ," -> ",").
+        self._base, self._start, self._head = "", 0, ""
+        self._incremental = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
 
     def add(self, token_id: int) -> str:
         self.tokens.append(token_id)
-        self.text = text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.text = text = self._decoded()
         if self.forced_prefix:
             return ""  # the whole turn is a tool call
         safe = len(text) - self.hold
@@ -262,6 +269,31 @@ class TextStream:
             else:
                 safe = min(safe, _partial_suffix(text, TOOL_OPEN))
         return self._send(text[:max(safe, len(self.sent))])
+
+    def _decoded(self) -> str:
+        """The text of all the tokens so far, as one decode of them all gives it, decoding only a window of the
+        last few (decoding everything at every token is quadratic in the output's length): `_base` (the text
+        before the window) plus the window's decode. The window moves on only where the text ends in a whole
+        character and the new window's decode is the text's very end (so `_base` is what precedes it; what a
+        decoder does at a sequence's start, a stripped leading space, is then already in that decode); a
+        window that no longer begins with its text when placed (`_head`; never seen, but cheap to check) falls
+        back to decoding everything."""
+        if not self._incremental:
+            return self._decode(self.tokens)
+        window = self._decode(self.tokens[self._start:])
+        if not window.startswith(self._head):
+            self._base, self._start, self._head = "", 0, ""
+            window = self._decode(self.tokens)
+        text = self._base + window
+        if len(self.tokens) - self._start >= 2 * _DECODE_WINDOW and not text.endswith("\ufffd"):
+            start = len(self.tokens) - _DECODE_WINDOW
+            head = self._decode(self.tokens[start:])
+            if head and not head.startswith("\ufffd") and text.endswith(head):
+                self._base, self._start, self._head = text[: len(text) - len(head)], start, head
+        return text
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def finish(self, final_text: str) -> tuple[str, list[dict[str, Any]]]:
         """The last content delta and the tool calls, given the finished sequence's text."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import uvicorn
 
 from posttrain.serve.app import create_app
@@ -55,6 +56,20 @@ def load_engine(checkpoint: str | Path, *, device: str = "auto", precision: str 
     return HFEngine(model, tokenizer, autocast=autocast_dtype(runtime, target), max_batch_size=max_batch_size,
                     num_threads=num_threads,
                     speculative=load_speculation(draft, tokenizer, num_tokens=num_draft_tokens, ngram=ngram))
+
+
+def serving_threads(device: str = "auto") -> int | None:
+    """Torch threads for a served engine when none are asked for (``posttrain serve`` without ``--threads``).
+
+    On a CPU: every core torch would use but one, which the HTTP side gets (uvicorn, the streams' JSON and
+    detokenization; on one machine the clients too). Given every core, the engine's OpenMP team stalls whenever
+    the HTTP side takes one of them (a decode step of a small model is many short parallel regions, each waiting
+    for its slowest thread), so the HTTP side's CPU is added to the served wall time instead of overlapping it
+    (docs/serve.md has the figures). With one core left, the two run side by side. None on a GPU: torch's
+    default."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return None
+    return max(1, torch.get_num_threads() - 1)
 
 
 def make_backend(checkpoint: str | Path, engine: Literal["hf", "vllm"] = "hf", *,
