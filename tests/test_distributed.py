@@ -90,7 +90,7 @@ def test_split_and_shares_are_deterministic_and_in_step():
     assert _split(7, 3) == [(0, 3), (3, 5), (5, 7)] and _split(1, 2) == [(0, 1), (1, 1)]
     ranks = [TorchDataParallel.__new__(TorchDataParallel) for _ in range(2)]
     for rank, shard in enumerate(ranks):
-        shard.rank, shard.world_size, shard._units = rank, 2, []
+        shard.rank, shard.world_size, shard._units, shard.context_parallel = rank, 2, [], False
     shares = [shard.micro_batches(list(range(7)), 2) for shard in ranks]
     assert shares == [[[0, 2], [4, 6]], [[1, 3], [5]]]  # same count on both ranks, every item once
     assert [shard.micro_batches([0], 4) for shard in ranks] == [[[0]], [[]]]  # rank 1 idles, in step
