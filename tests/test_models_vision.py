@@ -3,6 +3,7 @@ loaded through the auto classes, fed a chat with images by their own processors,
 and the built-in tiny VLM saved, reloaded and trained a few steps."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -153,33 +154,50 @@ def test_the_built_in_tiny_vlm_saves_and_loads_as_a_transformers_model(tiny_toke
         assert torch.equal(a, b), name
 
 
-@pytest.mark.slow  # 60 optimizer steps: ~16 s alone, over a minute on a loaded machine
+def _colour_row(processor, rgb, word):
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (32, 32), rgb)},
+                                                        {"type": "text", "text": "colour?"}]},
+                           {"role": "assistant", "content": word}]}
+    sample = validate_vision_record(record)
+    return vision_inputs(processor, sample.messages, sample.images)
+
+
+def _shades(rng, count):
+    """`count` (rgb, word) pairs alternating red and blue: a bright channel over two dark ones, each drawn anew."""
+    pairs = []
+    for i in range(count):
+        bright, dark, other = rng.randint(150, 255), rng.randint(0, 90), rng.randint(0, 90)
+        pairs.append(((bright, other, dark), "red") if i % 2 == 0 else ((dark, other, bright), "blue"))
+    return pairs
+
+
+@pytest.mark.slow  # 60 optimizer steps on 8 images: ~5 s alone with one thread, longer on a loaded machine
+@pytest.mark.usefixtures("one_thread")
 def test_the_built_in_tiny_vlm_learns_a_colour_from_the_pixels(tiny_tokenizer):
-    loaded, loaded_processor = build_tiny_vlm(tiny_tokenizer, seed=3)
-    # Colour -> word: the answer depends on the image alone, so learning it means reading the pixels.
-    rows = []
-    for colour in ("red", "blue"):
-        record = {"messages": [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (32, 32),
-                                                                                              colour)},
-                                                            {"type": "text", "text": "colour?"}]},
-                               {"role": "assistant", "content": colour}]}
-        sample = validate_vision_record(record)
-        rows.append(vision_inputs(loaded_processor, sample.messages, sample.images))
-    batch = collate_vision(rows, loaded_processor.tokenizer.pad_token_id)
-    optimizer = torch.optim.AdamW(loaded.parameters(), lr=3e-3)
-    loaded.train()
-    losses = []
-    for _ in range(60):  # the two images' features start 0.96 cosine-similar: ~50 steps to tell them apart
-        loss = loaded(**batch).loss
+    model, processor = build_tiny_vlm(tiny_tokenizer, seed=0)
+    # Colour -> word with one prompt for all: the answer depends on the image alone, so answering held-out shades
+    # right means reading the pixels. Several shades, not one red and one blue image: with two images the two
+    # features start ~0.96 cosine-similar and whether 60 steps tell them apart hung on the seed and on the float
+    # summation order (seed 3 passed with one torch thread and failed with two).
+    rng = random.Random(0)
+    train, held_out = _shades(rng, 8), _shades(rng, 16)
+    batch = collate_vision([_colour_row(processor, rgb, word) for rgb, word in train],
+                           processor.tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(60):
+        loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.25 * losses[0]
-    loaded.eval()
+    model.eval()
+    right = 0
     with torch.no_grad():
-        for row, colour in zip(rows, ("red", "blue")):
-            logits = loaded(**row).logits[0]
-            answer_at = (row["labels"][0] != IGNORE).nonzero()[0].item()
-            predicted = logits[answer_at - 1].argmax().item()
-            assert predicted == row["input_ids"][0, answer_at].item(), colour
+        for rgb, word in held_out:
+            row = _colour_row(processor, rgb, word)
+            answer_at = (row["labels"][0] != IGNORE).nonzero()[0].item()  # the answer's first token: "r" or "b"
+            predicted = model(**row).logits[0, answer_at - 1].argmax().item()
+            right += predicted == row["input_ids"][0, answer_at].item()
+    # Chance is 8 of 16; 14 or more by guessing has probability 0.2%. Seeds 0-9 scored 16 of 16 (one thread; 0 and
+    # 3 also with two).
+    assert right >= 14, f"{right} of {len(held_out)} held-out colours named right"
