@@ -393,6 +393,19 @@ def test_collapse_alarms():
     assert [a["kind"] for a in monitor.observe_eval(20, 0.4)] == ["reward_hacking"]
 
 
+def test_no_spike_alarm_from_a_history_without_spread():
+    # a fresh policy: every group all-wrong, nothing trained (grad norm and loss exactly 0), then a first small update
+    monitor = CollapseMonitor(AlarmConfig(warmup_steps=3, ema=0.5, spike_z=4.0))
+    fired = []
+    for step in range(1, 21):
+        value = 0.0 if step < 14 else 0.003 * (1 + step % 2)
+        metrics = {"train/grad_norm": value, "train/loss": value}
+        fired += [a["kind"] for a in monitor.observe_step(step, metrics)]
+    assert fired == []
+    fired = [a["kind"] for a in monitor.observe_step(21, {"train/grad_norm": 5.0, "train/loss": 0.004})]
+    assert fired == ["grad_norm_spike"]  # once there is spread, a real spike still fires
+
+
 # ---- exact state ---------------------------------------------------------------------------------------------
 
 

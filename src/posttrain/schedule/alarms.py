@@ -7,7 +7,8 @@ Watched every step (exponential moving averages with weight `ema` on the old val
 * ``entropy_collapse``: the policy's token entropy (``train/entropy``) falls below `entropy_min_ratio` times
   its peak;
 * ``grad_norm_spike`` / ``loss_spike``: ``train/grad_norm`` / ``train/loss`` beyond mean + `spike_z` standard
-  deviations of its moving statistics (a spike does not enter the statistics it is judged by).
+  deviations of its moving statistics (a spike does not enter the statistics it is judged by); a signal whose
+  statistics have no spread yet (constant so far) is not judged.
 
 And at every held-out evaluation:
 
@@ -93,7 +94,9 @@ class CollapseMonitor:
     def _spike(self, metric: str, value: float) -> float | None:
         """The threshold `value` broke, or None (and then `value` joins the statistics)."""
         mean, variance = self.average.get(metric), self.variance.get(metric, 0.0)
-        if mean is not None and self.steps > 2:
+        # a history without spread (e.g. steps that trained nothing: grad norm and loss exactly 0) gives no scale
+        # to judge a spike by: the first step that trains would break a threshold of 0
+        if mean is not None and self.steps > 2 and variance > 0.0:
             threshold = mean + self.config.spike_z * math.sqrt(variance)
             if value > threshold:
                 return threshold
