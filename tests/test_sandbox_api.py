@@ -248,6 +248,15 @@ def test_local_pool_is_the_default_unless_the_default_runs_elsewhere():
     assert local_pool() is shared
 
 
+def test_local_pool_of_n_slots_is_one_per_size_and_not_the_default():
+    from posttrain.sandbox import default_pool, local_pool
+
+    wide = local_pool(5)
+    assert isinstance(wide, SandboxPool) and wide.size == 5 and local_pool(5) is wide
+    assert local_pool(3).size == 3 and local_pool(3) is not wide and wide is not default_pool()
+    assert Sandbox(pool=wide).run(["echo", "wide"]).stdout == "wide\n"
+
+
 # ---- the explicitly unsafe backend ---------------------------------------------------------------------
 
 

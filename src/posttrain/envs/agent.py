@@ -111,28 +111,6 @@ class _EndpointDirs:
 
 _DIRS = _EndpointDirs()
 
-# Pools of `jails` slots for agents (``env_args["jails"]``), one per size, made on first use by this process.
-# An agent waits on the model most of its life, holding its jail: with a slot per CPU (the shared pool) only
-# that many episodes reach the engine at once and its batches stay small. A pool of more slots lets more wait.
-_JAIL_POOLS: dict[tuple[int, int], SandboxPool] = {}
-_JAIL_POOLS_LOCK = threading.Lock()
-
-
-def _jail_pool(slots: int) -> SandboxPool:
-    with _JAIL_POOLS_LOCK:
-        key = (os.getpid(), slots)  # a forked child makes its own
-        if key not in _JAIL_POOLS:
-            _JAIL_POOLS[key] = SandboxPool(slots)
-        return _JAIL_POOLS[key]
-
-
-@atexit.register
-def _close_jail_pools() -> None:
-    for (pid, _), pool in list(_JAIL_POOLS.items()):
-        if pid == os.getpid():
-            pool.close()
-
-
 @environment("agent")
 class AgentEnv:
     """The environment of a black-box agent program (see the module doc). It drives the policy itself, so
@@ -192,8 +170,10 @@ class AgentEnv:
         box = self.sandbox if self.sandbox is not None else default_sandbox()
         # The endpoint's socket lives in this process: a jail on a remote sandbox worker (Ray's sandbox workers)
         # could not reach it, so the agent runs in a pool on this machine, beside its endpoint.
+        # with `jails`, a pool of that many slots: an agent holds its jail while it waits on the model, so a slot
+        # per CPU would let only that many episodes reach the engine at once
         if self.jails:
-            pool = _jail_pool(self.jails)
+            pool = local_pool(self.jails)
         else:
             pool = box.pool if isinstance(box.pool, SandboxPool) else local_pool()
         command, ro_paths = self._command()

@@ -20,9 +20,9 @@ from posttrain.sandbox.limits import JailOptions, Limits, RunResult
 from posttrain.sandbox.pool import SandboxPool
 from posttrain.sandbox.request import FileContent, RunRequest
 
-# This process's pools: "default" (what a `Sandbox` without a pool uses; `set_default_pool` may make it remote)
-# and "local" (bubblewrap on this machine, when the default is not). Each is (pool, the pid that made it): a
-# forked child makes its own.
+# This process's pools: "default" (what a `Sandbox` without a pool uses; `set_default_pool` may make it remote),
+# "local" (bubblewrap on this machine, when the default is not) and "local:N" (`local_pool(N)`). Each is
+# (pool, the pid that made it): a forked child makes its own.
 _pools: dict[str, tuple[Any, int]] = {}
 _pools_lock = threading.Lock()
 
@@ -32,10 +32,10 @@ def _own(kind: str) -> Any | None:
     return entry[0] if entry is not None and entry[1] == os.getpid() else None
 
 
-def _own_or_new(kind: str) -> Any:
+def _own_or_new(kind: str, slots: int | None = None) -> Any:
     pool = _own(kind)
     if pool is None:
-        pool = SandboxPool()
+        pool = SandboxPool(slots) if slots else SandboxPool()
         _pools[kind] = (pool, os.getpid())
     return pool
 
@@ -53,19 +53,23 @@ def set_default_pool(pool: SandboxPool) -> None:
         _pools["default"] = (pool, os.getpid())
 
 
-def local_pool() -> SandboxPool:
+def local_pool(slots: int | None = None) -> SandboxPool:
     """A bubblewrap pool on this machine, for runs that must happen beside this process (a jail that reaches
     a unix socket of the process, say): the default pool when it is a local `SandboxPool`, else -- the default
     sends runs elsewhere (`set_default_pool`: Ray's sandbox workers) -- a pool of this process's own, made on
-    first use (a slot per CPU), re-made in a forked child and closed at exit."""
+    first use (a slot per CPU), re-made in a forked child and closed at exit. With ``slots``: a pool of this
+    process's own of that many slots (one per size), for runs that hold a slot while they wait on something
+    else (an agent waiting on the model), so more of them can wait at once than there are CPUs."""
     with _pools_lock:
+        if slots:
+            return _own_or_new(f"local:{slots}", slots)
         default = _own_or_new("default")
         return default if isinstance(default, SandboxPool) else _own_or_new("local")
 
 
 @atexit.register
 def _close_pools() -> None:
-    for kind in ("local", "default"):
+    for kind in list(_pools):
         pool = _own(kind)
         if pool is not None and hasattr(pool, "close"):
             pool.close()
