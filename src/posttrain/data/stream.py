@@ -64,6 +64,8 @@ from posttrain.data.schema import DataError, SampleMetadata, SFTSample
 from posttrain.data.split import prompt_fraction
 from posttrain.data.tokenize import TokenizedSample, tokenize_samples
 
+Chunk = tuple[list[TokenizedSample], list[str] | None]  # tokenized samples and their mix groups (None: not needed)
+
 
 class BloomFilter:
     """A fixed-size Bloom filter: `add` says whether the key may have been seen before (then it is not added)."""
@@ -98,6 +100,30 @@ class BloomFilter:
             self.count += 1
         return not seen
 
+    def add_many(self, keys: list[bytes]) -> list[bool]:
+        """`add` for a batch, vectorized: each key's new-ness, the first of equal keys counting as new. The
+        batch is looked up in the filter as it was before the batch (the same positions as `add`), so a false
+        positive can only come from an earlier batch's keys: a key whose bits happen to be set by other keys of
+        its own batch is kept, where `add` one at a time would (rarely) drop it."""
+        if not keys:
+            return []
+        digests = np.frombuffer(b"".join(hashlib.blake2b(key, digest_size=16).digest() for key in keys),
+                                dtype="<u8").reshape(len(keys), 2)
+        # (first + i * second) mod m as in `_positions`, from first and second reduced mod m: no uint64 overflow.
+        first, second = digests[:, 0] % self.num_bits, (digests[:, 1] | 1) % self.num_bits
+        positions = (first[:, None] + np.arange(self.num_hashes, dtype=np.uint64)[None, :] * second[:, None]) \
+            % self.num_bits
+        byte_index, bit = positions >> 3, (np.uint8(1) << (positions & 7).astype(np.uint8))
+        bits = np.frombuffer(self.bits, dtype=np.uint8)  # a view: writes go to the bytearray
+        new = ~((bits[byte_index] & bit) != 0).all(axis=1)
+        first_of_batch: dict[bytes, int] = {}
+        for index in np.flatnonzero(new).tolist():  # equal keys within the batch: the first one is new
+            if first_of_batch.setdefault(keys[index], index) != index:
+                new[index] = False
+        np.bitwise_or.at(bits, byte_index[new].ravel(), bit[new].ravel())
+        self.count += int(new.sum())
+        return new.tolist()
+
 
 class StreamDedup:
     """Exact and near-duplicate removal over a stream, in the bounded state described in the module docstring."""
@@ -115,23 +141,32 @@ class StreamDedup:
         self.config = dedup
         self.exact_duplicates = self.near_duplicates = 0
 
-    def keep(self, sample: SFTSample) -> bool:
-        text = conversation_text(sample.messages)  # normalized message by message: the exact key as it is
-        if self.exact is not None and not self.exact.add(text.encode()):
-            self.exact_duplicates += 1
-            return False
+    def keep(self, samples: list[SFTSample]) -> list[bool]:
+        """Which of `samples` (in order, after every sample before them) are kept: exact duplicates by the
+        filter's batch lookup (`BloomFilter.add_many`), then near duplicates one sample at a time."""
+        if self.exact is None and self.near is None:
+            return [True] * len(samples)
+        texts = [conversation_text(sample.messages) for sample in samples]  # normalized: the exact key as it is
+        kept = [True] * len(samples)
+        if self.exact is not None:
+            kept = self.exact.add_many([text.encode() for text in texts])
+            self.exact_duplicates += kept.count(False)
         if self.near is not None:
-            signature = MinHash(num_perm=self.config.num_perm, seed=_MINHASH_SEED,
-                                permutations=self._permutations, scheme=self._scheme)
-            signature.update_batch(_shingles(text, self.config.shingle))
-            values = signature.hashvalues
-            keys = [b"%d:" % band + values[band * self.rows_per_band:(band + 1) * self.rows_per_band].tobytes()
-                    for band in range(self.bands)]
-            new = [self.near.add(key) for key in keys]  # every band added, so later near copies match any band
-            if not all(new):
-                self.near_duplicates += 1
-                return False
-        return True
+            for index, text in enumerate(texts):
+                if kept[index] and not self._near_new(text):
+                    kept[index] = False
+                    self.near_duplicates += 1
+        return kept
+
+    def _near_new(self, text: str) -> bool:
+        signature = MinHash(num_perm=self.config.num_perm, seed=_MINHASH_SEED,
+                            permutations=self._permutations, scheme=self._scheme)
+        signature.update_batch(_shingles(text, self.config.shingle))
+        values = signature.hashvalues
+        keys = [b"%d:" % band + values[band * self.rows_per_band:(band + 1) * self.rows_per_band].tobytes()
+                for band in range(self.bands)]
+        new = [self.near.add(key) for key in keys]  # every band added, so later near copies match any band
+        return all(new)
 
     def report(self) -> dict[str, Any]:
         state = {"exact_duplicates": self.exact_duplicates, "near_duplicates": self.near_duplicates}
@@ -164,25 +199,26 @@ class StreamStats:
 
 class TokenSpill:
     """The tokenized samples of one reading pass, on disk: a chunk at a time in, the same samples in the same
-    order out, as often as asked. Per chunk: the lengths, the ids (int32) and masks (uint8) concatenated, the
-    metadata fields and truncation flags. The file is an anonymous temporary file (`tempfile.TemporaryFile`,
-    in `TMPDIR`): it has no name once created, so it is gone when the spill is, even if the process is killed.
-    Each iterator keeps its own offset into the one handle, so epochs can be read side by side."""
+    order out, as often as asked, a chunk at a time. Per chunk: the lengths, the ids (int32) and masks (uint8)
+    concatenated, and the samples' mix groups. That is all an epoch uses (rows carry no metadata), so the
+    samples read back have empty metadata, and the file holds about 5 bytes per token (no origin strings).
+    The file is an anonymous temporary file (`tempfile.TemporaryFile`, in `TMPDIR`): it has no name once
+    created, so it is gone when the spill is, even if the process is killed. Each iterator keeps its own
+    offset into the one handle, so epochs can be read side by side."""
 
     def __init__(self) -> None:
         self._file = tempfile.TemporaryFile(prefix="posttrain-stream-")
         self.samples = self.nbytes = 0
 
-    def write(self, samples: list[TokenizedSample]) -> None:
+    def write(self, samples: list[TokenizedSample], groups: list[str] | None = None) -> None:
         if not samples:
             return
         lengths, ids, mask = array("q", [len(s) for s in samples]), array("i"), array("B")
         for sample in samples:  # array.extend from a list runs in C
             ids.extend(sample.input_ids)
             mask.extend(sample.loss_mask)
-        fields = [astuple_shallow(s.metadata) for s in samples]  # tuples unpickle faster than dataclasses
-        chunk = (lengths.tobytes(), ids.tobytes(), mask.tobytes(), fields, [s.truncated for s in samples])
-        pickle.dump(chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump((lengths.tobytes(), ids.tobytes(), mask.tobytes(), groups), self._file,
+                    protocol=pickle.HIGHEST_PROTOCOL)
         self.samples += len(samples)
 
     def close(self) -> None:
@@ -190,23 +226,27 @@ class TokenSpill:
         self._file.flush()
         self.nbytes = self._file.tell()
 
-    def __iter__(self) -> Iterator[TokenizedSample]:
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks as written: (samples, their mix groups or None)."""
         offset = 0
         while offset < self.nbytes:
             self._file.seek(offset)
-            lengths, ids, mask, metadata, truncated = pickle.load(self._file)
+            lengths, ids, mask, groups = pickle.load(self._file)
             offset = self._file.tell()
             ids_list, mask_list = array("i", ids).tolist(), array("B", mask).tolist()
-            start = 0
-            for length, meta, cut in zip(array("q", lengths).tolist(), metadata, truncated):
+            samples, start = [], 0
+            for length in array("q", lengths).tolist():
                 end = start + length
-                yield TokenizedSample(ids_list[start:end], mask_list[start:end], SampleMetadata(*meta), cut)
+                samples.append(TokenizedSample(ids_list[start:end], mask_list[start:end], _SPILLED))
                 start = end
+            yield samples, groups
+
+    def __iter__(self) -> Iterator[TokenizedSample]:
+        for samples, _groups in self.chunks():
+            yield from samples
 
 
-def astuple_shallow(metadata: SampleMetadata) -> tuple:
-    """The fields of `metadata` in order (`SampleMetadata(*fields)` rebuilds it; extras shared, not copied)."""
-    return tuple(getattr(metadata, f.name) for f in fields(metadata))
+_SPILLED = SampleMetadata()  # the metadata of every sample read back from a spill (shared: never written to)
 
 
 def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog | None,
@@ -216,78 +256,92 @@ def stream_samples(config: SFTDataConfig, stats: StreamStats, rejects: RejectLog
     dedup = StreamDedup(config)
     for source in config.train:
         count = 0
-        for sample in iter_samples(source, config.on_invalid, rejects):
-            count += 1
-            if not dedup.keep(sample):
-                continue
-            if heldout_prompts:
-                if sample.prompt_text in heldout_prompts:
-                    stats.heldout_prompt_overlap_removed += 1
-                    continue
-            elif config.heldout_fraction > 0 and prompt_fraction(sample.prompt_text) < config.heldout_fraction:
-                stats.heldout_split += 1
-                if heldout_sink is not None and len(heldout_sink) < config.stream.heldout_max:
-                    heldout_sink.append(sample)
-                continue
-            yield sample
+        for chunk in _chunks(iter_samples(source, config.on_invalid, rejects), config.stream.chunk_samples):
+            count += len(chunk)
+            yield from _split_off(chunk, dedup.keep(chunk), config, stats, heldout_prompts, heldout_sink)
         stats.read[source.name] = count
     stats.dedup = dedup.report()
 
 
-def stream_tokenized(config: SFTDataConfig, tokenizer: Any, samples: Iterator[SFTSample], stats: StreamStats,
-                     decontaminator: Decontaminator | None,
-                     available: dict[str, int] | None = None) -> Iterator[TokenizedSample]:
-    """Decontaminated and tokenized a chunk at a time (one batched tokenizer call per chunk); `available`, if
-    given, counts the samples of each mix group that decontamination keeps (what the mix rates are made of)."""
-    chunk: list[SFTSample] = []
-
-    def flush() -> list[TokenizedSample]:
-        kept = chunk
-        if decontaminator is not None:
-            result = decontaminator.check(chunk)
-            stats.decontaminated += len(chunk) - len(result.samples)
-            kept = result.samples
-        if available is not None:
-            for sample in kept:
-                name = group_name(sample.metadata, config.mix.by)
-                available[name] = available.get(name, 0) + 1
-        tokenized = tokenize_samples(kept, tokenizer, config.max_length, config.reasoning)
-        stats.truncated += tokenized.truncated
-        stats.dropped += tokenized.dropped
-        return tokenized.samples
-
-    for sample in samples:
-        chunk.append(sample)
-        if len(chunk) >= config.stream.chunk_samples:
-            yield from flush()
+def _chunks(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
             chunk = []
     if chunk:
-        yield from flush()
+        yield chunk
 
 
-def stream_mixed(config: SFTDataConfig, items: Iterator[TokenizedSample], rng: np.random.Generator,
-                 stats: StreamStats, rates: dict[str, float] | None) -> Iterator[TokenizedSample]:
+def _split_off(chunk: list[SFTSample], kept: list[bool], config: SFTDataConfig, stats: StreamStats,
+               heldout_prompts: set[str], heldout_sink: list[SFTSample] | None) -> Iterator[SFTSample]:
+    """The deduplicated samples of `chunk` that are not held out."""
+    for sample, keep in zip(chunk, kept):
+        if not keep:
+            continue
+        if heldout_prompts:
+            if sample.prompt_text in heldout_prompts:
+                stats.heldout_prompt_overlap_removed += 1
+                continue
+        elif config.heldout_fraction > 0 and prompt_fraction(sample.prompt_text) < config.heldout_fraction:
+            stats.heldout_split += 1
+            if heldout_sink is not None and len(heldout_sink) < config.stream.heldout_max:
+                heldout_sink.append(sample)
+            continue
+        yield sample
+
+
+def stream_tokenized(config: SFTDataConfig, tokenizer: Any, samples: Iterator[SFTSample], stats: StreamStats,
+                     decontaminator: Decontaminator | None,
+                     available: dict[str, int] | None = None) -> Iterator[Chunk]:
+    """Decontaminated and tokenized a chunk at a time (one batched tokenizer call per chunk). With `available`,
+    each chunk comes with its samples' mix groups, and `available` counts the samples of each group that
+    decontamination keeps (what the mix rates are made of); without, the groups are None."""
+    for chunk in _chunks(samples, config.stream.chunk_samples):
+        if decontaminator is not None:
+            kept = decontaminator.check(chunk).samples
+            stats.decontaminated += len(chunk) - len(kept)
+            chunk = kept
+        groups = None
+        if available is not None:
+            groups = [group_name(sample.metadata, config.mix.by) for sample in chunk]
+            for name in groups:
+                available[name] = available.get(name, 0) + 1
+        tokenized = tokenize_samples(chunk, tokenizer, config.max_length, config.reasoning)
+        stats.truncated += tokenized.truncated
+        stats.dropped += tokenized.dropped
+        yield tokenized.samples, None if groups is None else [groups[i] for i in tokenized.sources]
+
+
+def stream_mixed(config: SFTDataConfig, chunks: Iterator[Chunk], rng: np.random.Generator, stats: StreamStats,
+                 rates: dict[str, float] | None) -> Iterator[list[TokenizedSample]]:
     """Each sample of group g kept ``rate_g`` times in expectation (floor(rate) copies, one more with
-    probability rate - floor(rate)), through a shuffle buffer of `stream.mix_buffer` samples."""
+    probability rate - floor(rate)), through a shuffle buffer of `stream.mix_buffer` samples: once the buffer
+    is full, each sample put in takes a random one out. Yields what comes out, a list per chunk read."""
     buffer: list[TokenizedSample] = []
-
-    def pop() -> TokenizedSample:
-        index = int(rng.integers(len(buffer)))
-        buffer[index], buffer[-1] = buffer[-1], buffer[index]
-        return buffer.pop()
-
-    for item in items:
-        rate = 1.0 if rates is None else rates.get(group_name(item.metadata, config.mix.by), 0.0)
-        whole = int(rate)
-        copies = whole + int(rng.random() < rate - whole)
-        if rate == 0:
-            stats.mixed_out += 1
-        for _ in range(copies):
-            buffer.append(item)
-            if len(buffer) >= config.stream.mix_buffer:
-                yield pop()
-    while buffer:
-        yield pop()
+    capacity = config.stream.mix_buffer
+    for samples, groups in chunks:
+        if rates is None:
+            copies = [1] * len(samples)
+        else:
+            rate = np.array([rates.get(name, 0.0) for name in groups])  # type: ignore[union-attr]
+            whole = np.floor(rate)
+            if (rate > whole).any():  # whole rates draw nothing: every sample once mixes as an unmixed run does
+                whole += rng.random(len(samples)) < rate - whole
+            copies = whole.astype(int).tolist()
+            stats.mixed_out += int((rate == 0).sum())
+        draws = iter(rng.random(sum(copies)).tolist())  # one per sample put in: where the one taken out is
+        out = []
+        for sample, count in zip(samples, copies):
+            for _ in range(count):
+                buffer.append(sample)
+                if len(buffer) >= capacity:
+                    index = int(next(draws) * len(buffer))
+                    buffer[index], buffer[-1] = buffer[-1], buffer[index]
+                    out.append(buffer.pop())
+        yield out
+    yield [buffer[int(i)] for i in rng.permutation(len(buffer))]
 
 
 def mix_rates(config: SFTDataConfig, available: dict[str, int]) -> dict[str, float]:
@@ -302,33 +356,32 @@ def mix_rates(config: SFTDataConfig, available: dict[str, int]) -> dict[str, flo
     return {name: counts.get(name, 0) / available[name] for name in available}
 
 
-def stream_packed(config: SFTDataConfig, items: Iterator[TokenizedSample], rng: np.random.Generator,
+def stream_packed(config: SFTDataConfig, batches: Iterator[list[TokenizedSample]], rng: np.random.Generator,
                   stats: StreamStats) -> Iterator[Row]:
     """Rows packed by best-fit decreasing within windows of `stream.pack_window` samples."""
-    window: list[TokenizedSample] = []
+    size = config.stream.pack_window
 
-    def flush() -> list[Row]:
+    def flush(window: list[TokenizedSample]) -> Iterator[Row]:
+        stats.samples += len(window)
+        stats.tokens += sum(len(s) for s in window)
+        stats.loss_tokens += sum(s.num_loss_tokens for s in window)
         if config.pack:
             bins = _best_fit_decreasing([len(s) for s in window], config.max_length)
         else:
             bins = [[i] for i in range(len(window))]
         rows = [_make_row([window[i] for i in members]) for members in bins]
-        return [rows[int(i)] for i in rng.permutation(len(rows))]
-
-    for item in items:
-        stats.samples += 1
-        stats.tokens += len(item)
-        stats.loss_tokens += item.num_loss_tokens
-        window.append(item)
-        if len(window) >= config.stream.pack_window:
-            for row in flush():
-                stats.rows += 1
-                yield row
-            window = []
-    if window:
-        for row in flush():
+        for i in rng.permutation(len(rows)):
             stats.rows += 1
-            yield row
+            yield rows[int(i)]
+
+    window: list[TokenizedSample] = []
+    for batch in batches:
+        window.extend(batch)
+        while len(window) >= size:
+            yield from flush(window[:size])
+            window = window[size:]
+    if window:
+        yield from flush(window)
 
 
 class RowStream:
@@ -424,11 +477,11 @@ class StreamingSFTData:
                 for name in ("heldout_split", "heldout_prompt_overlap_removed", "decontaminated", "truncated",
                              "dropped"):
                     setattr(stats, name, getattr(read, name))
-                tokenized: Iterator[TokenizedSample] = iter(self.spill)
+                chunks = self.spill.chunks()
             else:
                 samples = stream_samples(self.config, stats, rejects, self.heldout_prompts)
-                tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
-            mixed = stream_mixed(self.config, tokenized, rng, stats, self.rates)
+                chunks = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator)
+            mixed = stream_mixed(self.config, chunks, rng, stats, self.rates)
             yield from stream_packed(self.config, mixed, rng, stats)
         finally:
             if rejects is not None:
@@ -455,15 +508,9 @@ class StreamingSFTData:
         self.spill = TokenSpill()
         try:
             samples = stream_samples(self.config, stats, rejects, self.heldout_prompts, self._split_off)
-            tokenized = stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator,
-                                         available)
-            chunk: list[TokenizedSample] = []
-            for item in tokenized:
-                chunk.append(item)
-                if len(chunk) >= self.config.stream.chunk_samples:
-                    self.spill.write(chunk)
-                    chunk = []
-            self.spill.write(chunk)
+            for chunk, groups in stream_tokenized(self.config, self.tokenizer, samples, stats, self.decontaminator,
+                                                  available):
+                self.spill.write(chunk, groups)
         finally:
             self.spill.close()
             if rejects is not None:

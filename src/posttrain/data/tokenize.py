@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, Sequence
 
 from posttrain.chat import ChatTemplateError, require_prefix
@@ -194,10 +195,9 @@ class _Renderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.cache: dict[tuple, str] = {}
-        self.skeletons = Skeletons(getattr(tokenizer, "chat_template", None), self._render_slow)
-
-    def _render_slow(self, messages: Sequence[Message], generation_prompt: bool, tools: Any) -> str:
-        return render_chat(self.tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
+        # Given a partial, not the bound method: a renderer that its skeletons point back to is a reference cycle,
+        # its cache freed only by the cyclic collector (a streaming run makes one renderer per chunk).
+        self.skeletons = Skeletons(getattr(tokenizer, "chat_template", None), partial(_render_slow, tokenizer))
 
     def sequences(self, messages: Sequence[Message], tools: Any,
                   trained_from: int = 0) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -239,9 +239,13 @@ class _Renderer:
         if text is None:
             text = self.skeletons.render(messages, generation_prompt, tools, key[1])
             if text is None:
-                text = self._render_slow(messages, generation_prompt, tools)
+                text = _render_slow(self.tokenizer, messages, generation_prompt, tools)
             self.cache[key] = text
         return text
+
+
+def _render_slow(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Any) -> str:
+    return render_chat(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
 
 
 def _message_key(message: Message) -> tuple:
