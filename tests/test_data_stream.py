@@ -92,6 +92,11 @@ def test_bloom_filter_false_positives_stay_near_the_rate_it_was_sized_for():
     false_positives = sum(f"other {i}".encode() in bloom for i in range(20_000))
     assert false_positives <= 3 * 20  # expected ~20 at 1e-3
     assert bloom.nbytes < 40_000  # ~14.4 bits per item
+    assert 0.5e-3 < bloom.false_positive_rate < 2e-3  # the rate at this fill: the capacity's
+    for i in range(20_000, 60_000):  # past the capacity (3x) the rate it reports rises, and so do the drops
+        bloom.add(f"item {i}".encode())
+    assert bloom.false_positive_rate > 0.1
+    assert sum(f"more {i}".encode() in bloom for i in range(2000)) > 0.5 * 0.1 * 2000
 
 
 def test_streaming_near_dedup_drops_a_near_copy(tmp_path, tokenizer):

@@ -12,7 +12,8 @@ What stays in memory, and why it is bounded (docs/data.md has the figures):
 
 * exact dedup: a Bloom filter of `stream.dedup_capacity` items at false-positive rate `stream.dedup_error`
   (bits = -n ln p / ln²2, allocated once: 24 MB for 10M items at 1e-4). A false positive drops a unique
-  sample with probability <= p; past the capacity the rate rises (the run reports the fill).
+  sample with probability <= p; past the capacity the rate rises (the report has the fill, the capacity and the
+  rate at that fill). A chunk is looked up at once, so a false positive comes only from earlier chunks' samples.
 * near dedup: the LSH band keys of each kept sample's MinHash go into a second Bloom filter of the same
   size; a sample whose band key is already there is a near-duplicate. Unlike the in-memory pass, the
   candidate is not confirmed by its Jaccard estimate (that would keep every signature), so pairs a little
@@ -23,11 +24,11 @@ What stays in memory, and why it is bounded (docs/data.md has the figures):
 * mixing: the in-memory `mix`'s counts per group (weights over `mix.by` groups, `samples_per_epoch`),
   reached by rates. A mixed run reads its files once (`StreamingSFTData._read_into_spill`): read, dedup,
   held-out split, decontamination and tokenization, counting the samples available per group, into a
-  `TokenSpill` (a temporary file: ids, masks and metadata; disk, not memory). In every epoch each sample of
+  `TokenSpill` (a temporary file: ids, masks and mix groups; disk, not memory). In every epoch each sample of
   group g, read back from the spill, is used rate_g = count_g / available_g times in expectation (floor(rate)
-  copies, one more with probability rate - floor(rate); weight 0 drops the group). The counts are exact in
-  expectation rather than exactly; the order is the sources' order shuffled within a buffer of
-  `stream.mix_buffer` samples (shuffle a sorted file beforehand). With no `mix.by`, weights or
+  copies, one more with probability rate - floor(rate), drawn a chunk at a time; weight 0 drops the group).
+  The counts are exact in expectation rather than exactly; the order is the sources' order shuffled within a
+  buffer of `stream.mix_buffer` samples (shuffle a sorted file beforehand). With no `mix.by`, weights or
   `samples_per_epoch` every sample is used once, there is no spill and each epoch streams from the files.
 * packing: best-fit decreasing within windows of `stream.pack_window` samples, rows shuffled per window.
 
@@ -73,6 +74,7 @@ class BloomFilter:
     def __init__(self, capacity: int, error_rate: float):
         if capacity <= 0 or not 0 < error_rate < 1:
             raise DataError(f"a Bloom filter needs capacity > 0 and 0 < error_rate < 1, got {capacity}, {error_rate}")
+        self.capacity = capacity
         self.num_bits = max(64, math.ceil(-capacity * math.log(error_rate) / math.log(2) ** 2))
         self.num_hashes = max(1, round(self.num_bits / capacity * math.log(2)))
         self.bits = bytearray((self.num_bits + 7) // 8)  # a bytearray: scalar access is ~5x numpy's
@@ -81,6 +83,12 @@ class BloomFilter:
     @property
     def nbytes(self) -> int:
         return len(self.bits)
+
+    @property
+    def false_positive_rate(self) -> float:
+        """The chance that a new key is taken for a seen one at the present fill: (1 - e^(-k n / m))^k, at most
+        the `error_rate` asked for up to `capacity` keys, above it past them."""
+        return (1 - math.exp(-self.num_hashes * self.count / self.num_bits)) ** self.num_hashes
 
     def _positions(self, key: bytes) -> list[int]:
         digest = hashlib.blake2b(key, digest_size=16).digest()
@@ -173,6 +181,8 @@ class StreamDedup:
         for name, bloom in (("exact", self.exact), ("near", self.near)):
             if bloom is not None:
                 state[f"{name}_filter_bytes"], state[f"{name}_filter_items"] = bloom.nbytes, bloom.count
+                state[f"{name}_filter_capacity"] = bloom.capacity
+                state[f"{name}_filter_false_positive_rate"] = float(f"{bloom.false_positive_rate:.3g}")
         return state
 
 
