@@ -265,7 +265,7 @@ def test_qwen2_vl_trains_on_assistant_tokens_with_its_own_image_processor(tiny_t
 @pytest.mark.usefixtures("one_thread")
 def test_qwen2_vl_learns_with_sft_then_dpo(tiny_tokenizer):
     """The losses `posttrain sft|dpo` run (token-mean cross-entropy; sigmoid DPO on the replies' log-probs, with
-    the M-RoPE token types rebuilt from the ids) on Qwen2-VL. 12 s alone with one thread (seed 0)."""
+    the M-RoPE token types rebuilt from the ids) on Qwen2-VL. ~4 s alone with one thread at load ~4 (seed 0)."""
     from posttrain.train import VisionPair, run_vision_dpo, run_vision_sft
 
     torch.manual_seed(0)

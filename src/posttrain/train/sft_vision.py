@@ -117,9 +117,12 @@ def run_vision_sft_recipe(recipe: SFTRecipe, *, resume: bool = False,
     def heldout_loss() -> float:
         return evaluate_vision_loss(model, heldout_rows, pad_id, runtime, config.batch_size)
 
+    last: dict[str, float] = {}  # the last evaluation's step and loss (not logged twice at the end)
+
     def evaluate() -> bool:
         loss = heldout_loss()
         tracker.log({"eval/heldout_loss": loss}, step=cursor.step)
+        last.update(step=cursor.step, loss=loss)
         if cursor.best_score is None or -loss > cursor.best_score:
             cursor.best_score, cursor.best_step, cursor.evals_since_best = -loss, cursor.step, 0
         else:
@@ -137,8 +140,9 @@ def run_vision_sft_recipe(recipe: SFTRecipe, *, resume: bool = False,
                             scheduler=scheduler, tracker=tracker, save=save,
                             evaluate=evaluate if heldout_rows else None, on_step=on_step,
                             progress=lambda m: f"loss {m['train/loss']:.4f} {m['train/tokens_per_s']:,.0f} tok/s")
-    final_heldout = heldout_loss() if heldout_rows else None
-    if final_heldout is not None:
+    final_heldout = last.get("loss") if last.get("step") == cursor.step else None
+    if final_heldout is None and heldout_rows:
+        final_heldout = heldout_loss()
         tracker.log({"eval/heldout_loss": final_heldout}, step=cursor.step)
     save()
     final_dir = save_model_dir(output_dir / "final", model, processor)
