@@ -286,3 +286,17 @@ def test_the_packaged_vlm_recipes_run_sft_then_dpo_then_eval_through_the_cli(tmp
     assert set(results["images"]) == {"sft", "dpo"}
     assert set(results["images"]["dpo"]) == {"largest_colour", "bar_value"}
     assert 'id="images"' in (tmp_path / "runs" / "eval-vlm" / "report.html").read_text()
+
+
+def test_an_image_dataset_suite_carries_its_images_and_names_a_bad_one(tmp_path):
+    from posttrain.tasks import TaskError, get_domain
+
+    path = _colour_suite(tmp_path, count=2)
+    tasks = get_domain("dataset", path=str(path), image_field="image", verifier="exact", instruction=None).tasks()
+    part = tasks[0].messages[0]["content"][0]
+    assert part["image_url"]["url"].startswith("data:image/png;base64,") and tasks[0].verifier_args == {"answer": "red"}
+    assert tasks[0].id != tasks[1].id  # one question, two images: two problems
+    path.write_text(path.read_text() + json.dumps({"question": "Which colour?", "answer": "red", "image": "x.png"}) + "\n")
+    with pytest.raises(TaskError) as error:
+        get_domain("dataset", path=str(path), image_field="image", verifier="exact")
+    assert str(error.value) == f"{path}:3: field 'image': no such image file 'x.png'"
