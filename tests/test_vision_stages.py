@@ -300,3 +300,27 @@ def test_an_image_dataset_suite_carries_its_images_and_names_a_bad_one(tmp_path)
     with pytest.raises(TaskError) as error:
         get_domain("dataset", path=str(path), image_field="image", verifier="exact")
     assert str(error.value) == f"{path}:3: field 'image': no such image file 'x.png'"
+
+
+def test_sft_trains_on_a_saved_dataset_with_an_image_column(tmp_path):
+    """TRL's vision format: an `images` column of datasets Image values, bare {type: image} parts in the chat."""
+    import datasets
+
+    from posttrain.data import read_vision_sft_data
+
+    features = datasets.Features({
+        "images": datasets.Sequence(datasets.Image()),
+        "messages": [{"role": datasets.Value("string"),
+                      "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+    })
+    pairs = _colour_images(8)
+    rows = {"images": [[image] for image, _ in pairs],
+            "messages": [[{"role": "user", "content": [{"type": "image", "text": None},
+                                                       {"type": "text", "text": "Which colour?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": word}]}] for _, word in pairs]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    recipe = _sft_recipe(tmp_path, tmp_path / "ds")
+    recipe.data.heldout_fraction, recipe.train.max_steps, recipe.train.eval_every = 0.0, 2, None
+    data = read_vision_sft_data(recipe.data)
+    assert len(data.train) == 8 and data.train[0].images[0].getpixel((0, 0)) == (255, 255, 255)
+    assert run_sft(recipe).steps == 2
