@@ -236,7 +236,9 @@ def test_the_report_shows_image_suites_and_thumbnails_of_bad_cases(vlm):
     assert '<section id="images">' in page and "largest_colour" in page
     assert "answered every image right" in page  # the last checkpoint's gallery
     page = render_report({"images": {"sft": {"held-out": image_suite_json(score)}}})
-    assert page.count('<img src="data:image/png;base64,') == len(score.failures)
+    # sample images with the answers (the first 8 cases, right or wrong), then the bad cases
+    assert page.count('<img src="data:image/png;base64,') == len(score.cases[:8]) + len(score.failures)
+    assert "Sample images with the answers of sft" in page
     hostile = image_suite_json(score)
     hostile["bad_cases"] = [{**hostile["bad_cases"][0], "thumbnail": "javascript:alert(1)", "answer": "<b>x"}]
     page = render_report({"images": {"x": {"s": hostile}}})

@@ -65,7 +65,7 @@ class ModelConfig(Section):
     seed: int = 0  # initialisation of the built-in model
     # A vision-language model and its processor (docs/multimodal.md): `path` loads as image-text-to-text (a local
     # `path` whose config has a `vision_config` is one anyway); unset `path`: the built-in tiny VLM on `preset`.
-    # Read by the RL recipe; SFT and DPO take images through `posttrain.train.run_vision_sft|dpo`.
+    # Read by the sft, dpo and rl recipes (their data then hold images); eval finds a VLM checkpoint by its config.
     vision: bool = False
 
 

@@ -40,6 +40,15 @@ from posttrain.data.images import (
     read_vision_samples,
     validate_vision_record,
 )
+from posttrain.data.vision_sets import (
+    VisionData,
+    VisionPairSample,
+    read_vision_pair_data,
+    read_vision_sft_data,
+    validate_vision_pair,
+    vision_prompt_key,
+    vision_texts,
+)
 from posttrain.data.readers import (
     RejectLog,
     iter_samples,
@@ -73,7 +82,14 @@ from posttrain.data.preference import (
 
 __all__ = [
     "IMAGE_FORMATS",
+    "VisionData",
+    "VisionPairSample",
     "VisionSample",
+    "read_vision_pair_data",
+    "read_vision_sft_data",
+    "validate_vision_pair",
+    "vision_prompt_key",
+    "vision_texts",
     "iter_vision_samples",
     "load_image",
     "pillow",

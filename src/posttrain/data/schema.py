@@ -147,7 +147,8 @@ def text_of_parts(parts: list[Any], where: str) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             got = repr(kind) if isinstance(part, dict) else type(part).__name__
             raise RecordError(f"{where}[{j}]", f"only text parts ({{type: text, text: ...}}) can be trained on, "
-                              f"got {got} (chats with images are read by read_vision_samples, docs/multimodal.md)")
+                              f"got {got} (chats with images train a vision-language model: set model.vision: true, "
+                              "docs/multimodal.md)")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -38,12 +38,23 @@ from posttrain.evaluate.images import (
     ImageAnswer,
     ImageCase,
     ImageSuiteScore,
+    ProcessorRenderer,
+    image_case,
     image_sample,
+    image_suite_scores,
     sample_image_tasks,
     score_image_suite,
     thumbnail,
 )
-from posttrain.evaluate.runner import Policy, RunStats, SuiteEvaluator, load_policy, run_items, score_suites
+from posttrain.evaluate.runner import (
+    Policy,
+    RunStats,
+    SuiteEvaluator,
+    load_policy,
+    load_vision_checkpoint,
+    run_items,
+    score_suites,
+)
 from posttrain.evaluate.suites import (
     Suite,
     build_suites,
@@ -60,7 +71,10 @@ __all__ = [
     "ImageAnswer",
     "ImageCase",
     "ImageSuiteScore",
+    "ProcessorRenderer",
+    "image_case",
     "image_sample",
+    "image_suite_scores",
     "image_section",
     "image_suite_json",
     "sample_image_tasks",
@@ -72,6 +86,7 @@ __all__ = [
     "FAILURE_LABELS",
     "ItemEpisodes",
     "Policy",
+    "load_vision_checkpoint",
     "RunStats",
     "Suite",
     "SuiteEvaluator",

@@ -13,13 +13,16 @@ import re
 from typing import Any
 
 MAX_BAD_CASES = 24
+MAX_SAMPLES = 8  # per suite: the first cases, right or wrong, shown with the model's answers
 _PNG_DATA_URL = re.compile(r"data:image/png;base64,[A-Za-z0-9+/=]+")
 
 
-def image_suite_json(score: Any, max_cases: int = MAX_BAD_CASES) -> dict[str, Any]:
-    """An `ImageSuiteScore` as results JSON: pass@1, per domain, and the first `max_cases` failed cases."""
+def image_suite_json(score: Any, max_cases: int = MAX_BAD_CASES, max_samples: int = MAX_SAMPLES) -> dict[str, Any]:
+    """An `ImageSuiteScore` as results JSON: pass@1, per domain, the first `max_samples` cases (right or wrong)
+    and the first `max_cases` failed cases."""
     keep = ("task_id", "domain", "difficulty", "question", "expected", "answer", "passed", "thumbnail")
     return {"pass@1": score.pass_at_1, "per_domain": dict(score.per_domain), "items": len(score.cases),
+            "samples": [{key: getattr(case, key) for key in keep} for case in score.cases[:max_samples]],
             "bad_cases": [{key: getattr(case, key) for key in keep} for case in score.failures[:max_cases]]}
 
 
@@ -38,13 +41,16 @@ def image_section(images: dict[str, dict[str, Any]]) -> str:
     head = "".join(f"<th>{_e(cell)}</th>" for cell in ["suite / domain", *labels])
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
     last = labels[-1]
+    samples = [case for name in suites for case in images[last].get(name, {}).get("samples", [])]
+    shown = "".join(_case(case) for case in samples)
+    shown = f'<h3>Sample images with the answers of {_e(last)}</h3><div class="images">{shown}</div>' if shown else ""
     cases = [case for name in suites for case in images[last].get(name, {}).get("bad_cases", [])]
     figures = "".join(_case(case) for case in cases[:MAX_BAD_CASES])
     gallery = (f'<h3>Bad cases of {_e(last)}</h3><div class="images">{figures}</div>' if figures
                else f'<p class="muted">{_e(last)} answered every image right.</p>')
-    return (f'<section id="images"><h2>Images</h2><p class="lead">pass@1 on image tasks per domain; below, the '
-            f'images the last checkpoint answered wrong.</p><div class="panel"><table><tr>{head}</tr>{body}</table>'
-            f'</div>{gallery}</section>')
+    return (f'<section id="images"><h2>Images</h2><p class="lead">pass@1 on image tasks per domain; below, sample '
+            f'images with the last checkpoint\'s answers, then the images it answered wrong.</p><div class="panel">'
+            f'<table><tr>{head}</tr>{body}</table></div>{shown}{gallery}</section>')
 
 
 def _case(case: dict[str, Any]) -> str:
@@ -53,7 +59,8 @@ def _case(case: dict[str, Any]) -> str:
     return (f'<figure style="display:inline-block;margin:6px;width:160px;vertical-align:top">{image}'
             f'<figcaption><span class="muted">{_e(case.get("domain"))} L{_e(case.get("difficulty"))}</span><br>'
             f'{_e(case.get("question"))}<br>expected <b>{_e(case.get("expected"))}</b>, answered '
-            f'<b class="fail">{_e(case.get("answer")) or "(nothing)"}</b></figcaption></figure>')
+            f'<b class="{"ok" if case.get("passed") else "fail"}">{_e(case.get("answer")) or "(nothing)"}</b>'
+            '</figcaption></figure>')
 
 
 def _e(value: Any) -> str:

@@ -15,14 +15,19 @@ answer and the model's answer (`posttrain.evaluate.image_report.image_section`).
 
 from __future__ import annotations
 
-from collections import defaultdict
+import json
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from posttrain.chat import IMAGE_PART_TYPES, first_image_message, render_chat
 from posttrain.data import VisionSample, validate_vision_record
+from posttrain.envs import EnvError
+from posttrain.evaluate.metrics import ItemEpisodes
 from posttrain.models import vision_request
 from posttrain.tasks import png_data_url
-from posttrain.types import Completion, Reward, SamplingParams, Task
+from posttrain.types import Completion, Reward, SamplingParams, Task, Trajectory
 from posttrain.verify import verify
 
 THUMBNAIL_PX = 96
@@ -109,14 +114,125 @@ def score_image_suite(engine: Any, processor: Any, tasks: Sequence[Task], *, nam
     """Pass@1 of one answer per task (greedy by default), per domain and overall, with every case."""
     sampling = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     answers = sample_image_tasks(engine, processor, tasks, sampling)
+    cases = [image_case(answer.task, answer.completion.text, answer.reward.passed, thumbnail_px)
+             for (answer,) in answers]
+    return suite_score(name, cases)
+
+
+def image_case(task: Task, answer: str, passed: bool, thumbnail_px: int = THUMBNAIL_PX) -> ImageCase:
+    """An answered image task as a report shows it: the thumbnail of its (first) image, the question, the expected
+    answer (the task's ``answer``, else its verifier's reference answer) and the model's answer."""
+    sample = image_sample(task)
+    args = task.verifier_args
+    expected = task.metadata.get("answer", args.get("answer", args.get("reference", "")))
+    return ImageCase(task.id, task.domain, task.difficulty, _question(sample), str(expected), answer.strip(), passed,
+                     thumbnail(sample.images[0], thumbnail_px))
+
+
+def suite_score(name: str, cases: Sequence[ImageCase]) -> ImageSuiteScore:
+    """Pass@1 over `cases`, overall and per domain."""
     by_domain: dict[str, list[bool]] = defaultdict(list)
-    cases = []
-    for (answer,) in answers:
-        task, sample = answer.task, image_sample(answer.task)
-        by_domain[task.domain].append(answer.reward.passed)
-        cases.append(ImageCase(task.id, task.domain, task.difficulty, _question(sample),
-                               str(task.metadata.get("answer", "")), answer.completion.text.strip(),
-                               answer.reward.passed, thumbnail(sample.images[0], thumbnail_px)))
+    for case in cases:
+        by_domain[case.domain].append(case.passed)
     passed = [case.passed for case in cases]
     return ImageSuiteScore(name, sum(passed) / max(1, len(passed)),
-                           {domain: sum(v) / len(v) for domain, v in sorted(by_domain.items())}, cases)
+                           {domain: sum(v) / len(v) for domain, v in sorted(by_domain.items())}, list(cases))
+
+
+def image_suite_scores(suites: Sequence[Any], items: Sequence[ItemEpisodes]) -> dict[str, ImageSuiteScore]:
+    """The eval recipe's image suites (those whose tasks hold an image) scored from their episodes (`items`, in
+    suite order as `run_items` returns them): each item's first episode (the greedy one when run) as a case.
+    An item whose episode failed on infrastructure counts as not passed, with its error as the answer."""
+    scores, start = {}, 0
+    for suite in suites:
+        mine = items[start:start + len(suite.tasks)]
+        start += len(suite.tasks)
+        cases = []
+        for item in mine:
+            if first_image_message(item.task.messages) is None or not item.primary:
+                continue
+            episode = item.primary[0]
+            cases.append(image_case(item.task, _answer(episode), episode.reward.passed))
+        if cases:
+            scores[suite.name] = suite_score(suite.name, cases)
+    return scores
+
+
+def _answer(trajectory: Trajectory) -> str:
+    replies = [m.get("content") for m in trajectory.messages if m.get("role") == "assistant"]
+    if replies and isinstance(replies[-1], str):
+        return replies[-1]
+    return f"({trajectory.reward.failure})" if trajectory.reward.is_infrastructure_failure else ""
+
+
+# ---- image prompts in the episode loop (eval suites, RL) ---------------------------------------------------------
+
+_PROMPT_CACHE_SIZE = 512  # rendered image prompts kept (a group's episodes share one)
+
+
+class ProcessorRenderer:
+    """The episode loop's `envs.PromptRenderer` for a vision-language model: a task's prompt (image parts as
+    ``image_url``/``image`` parts, e.g. a ``data:`` URL) read with `data.validate_vision_record` and turned into ids
+    and image tensors by the model's processor (`models.vision_request`, as the self-test and `run_vision_grpo`
+    do); transcripts rendered by the processor's template (`chat.render_chat` with ``images=True``). Rendered
+    prompts are cached (a GRPO group shares one: its members share the tensors, read only)."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self._cache: OrderedDict[str, tuple[list[int], dict[str, Any] | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any] | None]:
+        if tools or template_kwargs:
+            raise EnvError("an image prompt takes no tools or chat-template arguments yet (the processor renders it)")
+        key = json.dumps(messages, sort_keys=True, default=str)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                ids, images = self._cache[key]
+                return list(ids), images
+        sample = validate_vision_record({"messages": messages}, require_assistant=False)
+        request = vision_request(self.processor, sample.messages, sample.images)
+        with self._lock:
+            self._cache[key] = (request.prompt_token_ids, request.image_inputs)
+            if len(self._cache) > _PROMPT_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return list(request.prompt_token_ids), request.image_inputs
+
+    def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        return render_chat(self.processor, [_placeholders(m) for m in messages], generation_prompt=generation_prompt,
+                           tools=tools, template_kwargs=template_kwargs, images=True)
+
+    def attach(self, trajectories: Sequence[Trajectory]) -> int:
+        """Render again the image tensors of trajectories that hold image parts but lost their tensors (a batch
+        restored from a checkpoint keeps the images' reference, not the pixels); returns how many."""
+        restored = 0
+        for trajectory in trajectories:
+            if trajectory.image_inputs is None and first_image_message(trajectory.messages) is not None:
+                prompt = _prompt_turns(trajectory.messages)
+                trajectory.image_inputs = self.prompt(prompt)[1]
+                restored += 1
+        return restored
+
+
+def _placeholders(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` as `data.validate_vision_record` writes it for the processor (text parts; each image part a bare
+    ``{"type": "image"}``), without decoding its images."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        parts = [{"type": "text", "text": content or ""}]
+    else:
+        parts = [{"type": "image"} if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+                 else {"type": "text", "text": part if isinstance(part, str) else part.get("text", "")}
+                 for part in content]
+    return {**message, "content": parts}
+
+
+def _prompt_turns(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    for index, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            return list(messages[:index])
+    return list(messages)

@@ -11,6 +11,7 @@ The results JSON is the whole record (the report is rendered from it alone, so i
      "metrics": {label: {suite: {"overall": {items, mean_reward, pass@1, pass@k...}, "levels": {"3": {...}},
                                  "process": {...}, "failures": {class: count}, "safety": {...}}}},
      "examples": {label: {suite: {class: [transcript, ...]}}},
+     "images": {label: {suite: {pass@1, per_domain, items, samples: [case], bad_cases: [case]}}} (image suites),
      "fresh_gap": [...], "regressions": [...], "contamination": {...}, "hygiene": [...], "curves": [...],
      "tiers": null | {baseline, accuracy_suites, settings, rows: [{label, kind, accuracy, tokens_per_s,
                       p50_latency_ms, speedup, accuracy_delta, runner, ...}]}}
@@ -34,6 +35,8 @@ from posttrain.config import EvalRecipe, EvalRuntime
 from posttrain.evaluate.contamination import check_contamination, exclude_contaminated, training_samples
 from posttrain.evaluate.curves import training_curves
 from posttrain.evaluate.failures import failure_examples
+from posttrain.evaluate.image_report import image_suite_json
+from posttrain.evaluate.images import image_suite_scores
 from posttrain.evaluate.metrics import ItemEpisodes, suite_metrics
 from posttrain.evaluate.runner import Policy, engine_threads, load_policy, run_items
 from posttrain.evaluate.suites import Suite, build_suites, hygiene, new_fresh_seed
@@ -83,16 +86,16 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
             + (" (excluded)" if contamination["excluded"] else ""))
 
     tasks = [task for suite in suites for task in suite.tasks]
-    checkpoints, metrics, examples = [], {}, {}
+    checkpoints, metrics, examples, images = [], {}, {}, {}
     for position, checkpoint in enumerate(recipe.checkpoints):
         loading = time.perf_counter()
         policy, first = first or loader(checkpoint.path, recipe.runtime), None
         load_s = first_load_s if position == 0 else time.perf_counter() - loading
         checkpoints.append(_run_checkpoint(checkpoint.name, checkpoint.path, policy, load_s, suites, tasks, recipe,
-                                           metrics, examples))
+                                           metrics, examples, images))
         del policy  # one engine in memory at a time
     first = None  # a tier-only eval: loaded for the tokenizer alone
-    tiers = _run_tiers(recipe, loader, suites, tasks, checkpoints, metrics, examples)
+    tiers = _run_tiers(recipe, loader, suites, tasks, checkpoints, metrics, examples, images)
 
     results = {
         "format": FORMAT,
@@ -107,6 +110,7 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
         "suites": [suite.describe() for suite in suites],
         "metrics": metrics,
         "examples": examples,
+        "images": images,  # {checkpoint: {suite: image_suite_json}}: suites of image tasks only
         "fresh_gap": fresh_gap(suites, metrics),
         "regressions": regressions(suites, metrics),
         "contamination": contamination,
@@ -122,11 +126,15 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
 
 
 def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites: Sequence[Suite],
-                    tasks: list, recipe: EvalRecipe, metrics: dict[str, Any], examples: dict[str, Any]
-                    ) -> dict[str, Any]:
-    """Every suite's episodes for one checkpoint: its metrics and examples filled in, its results row returned."""
+                    tasks: list, recipe: EvalRecipe, metrics: dict[str, Any], examples: dict[str, Any],
+                    images: dict[str, Any]) -> dict[str, Any]:
+    """Every suite's episodes for one checkpoint: its metrics, examples and image cases (suites of image tasks:
+    sample images with the answers, per-domain pass@1) filled in, its results row returned."""
     items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
     metrics[label], examples[label] = _score(suites, items, recipe)
+    image_scores = image_suite_scores(suites, items)
+    if image_scores:
+        images[label] = {name: image_suite_json(score) for name, score in image_scores.items()}
     say(f"[eval] {label}: {stats.episodes} episodes in {stats.seconds:.1f}s")
     return {"label": label, "path": path, "seconds": round(stats.seconds, 2), "load_seconds": round(load_s, 2),
             "episodes": stats.episodes, "items": len(tasks),
@@ -135,8 +143,8 @@ def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites
 
 
 def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequence[Suite], tasks: list,
-               checkpoints: list[dict[str, Any]], metrics: dict[str, Any], examples: dict[str, Any]
-               ) -> dict[str, Any] | None:
+               checkpoints: list[dict[str, Any]], metrics: dict[str, Any], examples: dict[str, Any],
+               images: dict[str, Any]) -> dict[str, Any] | None:
     """Each tier evaluated like a checkpoint (its row marked with its kind), then timed (`tiers.measure_tier`)."""
     settings = recipe.tiers
     if not settings.models:
@@ -151,7 +159,7 @@ def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequen
         loading = time.perf_counter()
         policy = loader(tier.path, recipe.runtime, engine=tier.engine)
         row = _run_checkpoint(tier.label, tier.path, policy, time.perf_counter() - loading, suites, tasks, recipe,
-                              metrics, examples)
+                              metrics, examples, images)
         checkpoints.append({**row, "tier": tier.kind})
         if not settings.suite:  # safety suites score refusals, not the capability a tier trades for speed
             accuracy_suites = [n for n in accuracy_suites if "safety" not in metrics[tier.label].get(n, {})]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RopeScalingConfig, RuntimeConfig, TierEngine
+from posttrain.models import wants_vision
 from posttrain.evaluate.errors import EvalError
 from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
 from posttrain.evaluate.suites import Suite
@@ -66,6 +67,8 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
 
     runtime = runtime or EvalRuntime()
     config = ModelConfig(path=str(path), rope_scaling=rope_scaling)
+    if wants_vision(config):
+        return load_vision_checkpoint(path, runtime, engine)
     settings = RuntimeConfig(device=runtime.device, precision=runtime.precision)
     try:
         tokenizer = load_tokenizer(config)
@@ -88,6 +91,39 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
     except TypeError as error:  # an option this engine does not take
         raise EvalError(f"checkpoint {path}: engine.options: {error}") from None
     return Policy(built, tokenizer, str(path), device.type)
+
+
+def load_vision_checkpoint(path: str | Path, runtime: EvalRuntime, engine: TierEngine | None = None) -> Policy:
+    """A vision-language checkpoint (`models.load_vision_model`: its processor beside the weights) behind the
+    built-in engine's generic runner, with the processor as the episode loop's prompt renderer
+    (`evaluate.images.ProcessorRenderer`), so image tasks are sampled with their images."""
+    from posttrain.evaluate.images import ProcessorRenderer
+    from posttrain.models import ModelError, autocast_dtype, load_vision_model, resolve_device
+    from posttrain.rollout import HFEngine
+
+    engine = engine or TierEngine()
+    if engine.speculative or runtime.speculative.draft or engine.options or engine.runner == "fast":
+        raise EvalError(f"checkpoint {path}: a vision-language model runs on the engine's generic runner, without "
+                        "speculative decoding or engine options")
+    settings = RuntimeConfig(device=runtime.device, precision=runtime.precision)
+    try:
+        device = resolve_device(settings)
+        model, processor = load_vision_model(str(path), device=device)
+    except ModelError as error:
+        raise EvalError(f"checkpoint {path}: {error}") from None
+    if getattr(model.config, "model_type", "") in _OWN_POSITION_MODELS:
+        raise EvalError(f"checkpoint {path}: {model.config.model_type} computes its own 3-D rotary positions from "
+                        "the image grid, which the built-in engine does not yet (docs/multimodal.md); train it with "
+                        "sft/dpo, evaluate it elsewhere")
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    built = HFEngine(model, processor.tokenizer, device=device, autocast=autocast_dtype(settings, device),
+                     max_batch_size=runtime.batch_size, runner="generic")
+    return Policy(built, processor.tokenizer, str(path), device.type, renderer=ProcessorRenderer(processor))
+
+
+_OWN_POSITION_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | None = None,

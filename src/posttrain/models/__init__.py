@@ -42,9 +42,12 @@ from posttrain.models.vision import (
     collate_vision,
     load_processor,
     load_vision_model,
+    load_vision_policy,
+    policy_processor,
     vision_chat_template,
     vision_inputs,
     vision_request,
+    wants_vision,
 )
 
 __all__ = [
@@ -54,9 +57,12 @@ __all__ = [
     "collate_vision",
     "load_processor",
     "load_vision_model",
+    "load_vision_policy",
+    "policy_processor",
     "vision_chat_template",
     "vision_inputs",
     "vision_request",
+    "wants_vision",
     "CHAT_TEMPLATE",
     "END",
     "ModelError",

@@ -22,6 +22,8 @@ ordinary `LlavaForConditionalGeneration` with its `LlavaProcessor`: `save_pretra
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -36,6 +38,7 @@ from transformers import (
     ProcessorMixin,
 )
 
+from posttrain.config import ModelConfig
 from posttrain.models.load import ModelError, _load_error, _require_dir_or_hub_id
 from posttrain.models.tiny import tiny_config
 from posttrain.types import GenerationRequest
@@ -85,6 +88,9 @@ def load_processor(path: str) -> ProcessorMixin:
         processor = AutoProcessor.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise _load_error(path, "model.path", "could not load a processor", error) from None
+    except ImportError as error:  # Qwen2-VL's processor builds a video processor, which needs torchvision
+        reason = " ".join(str(error).split())[:300]
+        raise ModelError(f"{path}: its processor needs a library that is not installed: {reason}") from None
     if not hasattr(processor, "image_processor"):
         raise ModelError(f"{path}: the processor ({type(processor).__name__}) has no image processor: "
                          "not a vision-language model")
@@ -207,3 +213,39 @@ def _prefix_length(processor: ProcessorMixin, messages: Sequence[dict[str, Any]]
         raise ModelError("the chat template does not render a conversation's first turns as a prefix of the "
                          "whole; assistant-only labels cannot be placed")
     return int(ids.shape[0])
+
+
+# ---- a recipe's policy as a vision-language model (the sft, dpo and rl recipes) ----------------------------------
+
+def wants_vision(model: ModelConfig) -> bool:
+    """Whether the recipe's policy is a vision-language model: ``model.vision``, or a local ``model.path`` whose
+    config has a ``vision_config``."""
+    if model.vision:
+        return True
+    config = Path(model.path) / "config.json" if model.path else None
+    if config is None or not config.is_file():
+        return False
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_vision_policy(model: ModelConfig, tokenizer: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """A recipe's policy as a vision-language model and its processor: `model.path` (`models.load_vision_model`), or the
+    built-in tiny VLM (`models.build_tiny_vlm`, the `model.preset` text model) for `tokenizer` (a fresh run's)."""
+    if model.lora.enabled:
+        raise ModelError("model.lora: LoRA on a vision-language model is not supported yet (docs/multimodal.md)")
+    if model.rope_scaling is not None:
+        raise ModelError("model.rope_scaling: not supported with model.vision")
+    if model.path is None:
+        policy, processor = build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)
+        return policy.to(device), processor
+    return load_vision_model(model.path, dtype=model.dtype, device=device)
+
+
+def policy_processor(model: ModelConfig, tokenizer: Any) -> Any:
+    """The processor `load_vision_policy` would give, without loading the weights (`posttrain validate`)."""
+    if model.path is None:
+        return build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)[1]
+    return load_processor(model.path)

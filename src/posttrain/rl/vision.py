@@ -26,137 +26,26 @@ LoRA policy (`posttrain.models.apply_lora`) trains its adapters; the engine gets
 
 from __future__ import annotations
 
-import json
 import random
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.chat import IMAGE_PART_TYPES, first_image_message, render_chat
-from posttrain.config import ConfigError, ModelConfig
-from posttrain.data import validate_vision_record
-from posttrain.envs import EnvError
-from posttrain.evaluate import ImageAnswer, sample_image_tasks
-from posttrain.models import build_tiny_vlm, load_processor, load_vision_model, vision_request
+from posttrain.evaluate import ImageAnswer, ProcessorRenderer, sample_image_tasks  # noqa: F401 (re-exported)
+from posttrain.models import load_vision_policy, policy_processor, vision_request, wants_vision  # noqa: F401 (re-exported)
 from posttrain.rl.advantages import compute_advantages
 from posttrain.rl.backend import engine_trainer_self_test
 from posttrain.rl.update import engine_state, plain_copy, scoring_temperature
 from posttrain.rollout import HFEngine
 from posttrain.train import ImageSequence, clipped_policy_loss, completion_logprobs
-from posttrain.types import SamplingParams, Task, Trajectory
+from posttrain.types import SamplingParams, Task
 
 TaskSampler = Callable[[int, int], list[Task]]  # (step, count) -> tasks
-_PROMPT_CACHE_SIZE = 512  # rendered image prompts kept (a group's episodes share one)
 
 
 # ---- images in the main RL loop: the policy and its processor, the episode loop's prompt renderer ----------------
-
-def wants_vision(model: ModelConfig) -> bool:
-    """Whether the recipe's policy is a vision-language model: ``model.vision``, or a local ``model.path`` whose
-    config has a ``vision_config``."""
-    if model.vision:
-        return True
-    config = Path(model.path) / "config.json" if model.path else None
-    if config is None or not config.is_file():
-        return False
-    try:
-        return "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def load_vision_policy(model: ModelConfig, tokenizer: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """The RL policy as a vision-language model and its processor: `model.path` (`models.load_vision_model`), or the
-    built-in tiny VLM (`models.build_tiny_vlm`, the `model.preset` text model) for `tokenizer` (a fresh run's)."""
-    if model.lora.enabled:
-        raise ConfigError("model.lora: LoRA on a vision-language model is not supported yet (docs/multimodal.md)")
-    if model.rope_scaling is not None:
-        raise ConfigError("model.rope_scaling: not supported with model.vision")
-    if model.path is None:
-        policy, processor = build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)
-        return policy.to(device), processor
-    return load_vision_model(model.path, dtype=model.dtype, device=device)
-
-
-def policy_processor(model: ModelConfig, tokenizer: Any) -> Any:
-    """The processor `load_vision_policy` would give, without loading the weights (`posttrain validate`)."""
-    if model.path is None:
-        return build_tiny_vlm(tokenizer, preset=model.preset, seed=model.seed)[1]
-    return load_processor(model.path)
-
-
-class ProcessorRenderer:
-    """The episode loop's `envs.PromptRenderer` for a vision-language model: a task's prompt (image parts as
-    ``image_url``/``image`` parts, e.g. a ``data:`` URL) read with `data.validate_vision_record` and turned into ids
-    and image tensors by the model's processor (`models.vision_request`, as the self-test and `run_vision_grpo`
-    do); transcripts rendered by the processor's template (`chat.render_chat` with ``images=True``). Rendered
-    prompts are cached (a GRPO group shares one: its members share the tensors, read only)."""
-
-    def __init__(self, processor: Any):
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self._cache: OrderedDict[str, tuple[list[int], dict[str, Any] | None]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], dict[str, Any] | None]:
-        if tools or template_kwargs:
-            raise EnvError("an image prompt takes no tools or chat-template arguments yet (the processor renders it)")
-        key = json.dumps(messages, sort_keys=True, default=str)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                ids, images = self._cache[key]
-                return list(ids), images
-        sample = validate_vision_record({"messages": messages}, require_assistant=False)
-        request = vision_request(self.processor, sample.messages, sample.images)
-        with self._lock:
-            self._cache[key] = (request.prompt_token_ids, request.image_inputs)
-            if len(self._cache) > _PROMPT_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return list(request.prompt_token_ids), request.image_inputs
-
-    def render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
-        return render_chat(self.processor, [_placeholders(m) for m in messages], generation_prompt=generation_prompt,
-                           tools=tools, template_kwargs=template_kwargs, images=True)
-
-    def attach(self, trajectories: Sequence[Trajectory]) -> int:
-        """Render again the image tensors of trajectories that hold image parts but lost their tensors (a batch
-        restored from a checkpoint keeps the images' reference, not the pixels); returns how many."""
-        restored = 0
-        for trajectory in trajectories:
-            if trajectory.image_inputs is None and first_image_message(trajectory.messages) is not None:
-                prompt = _prompt_turns(trajectory.messages)
-                trajectory.image_inputs = self.prompt(prompt)[1]
-                restored += 1
-        return restored
-
-
-def _placeholders(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` as `data.validate_vision_record` writes it for the processor (text parts; each image part a bare
-    ``{"type": "image"}``), without decoding its images."""
-    content = message.get("content")
-    if isinstance(content, str) or content is None:
-        parts = [{"type": "text", "text": content or ""}]
-    else:
-        parts = [{"type": "image"} if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
-                 else {"type": "text", "text": part if isinstance(part, str) else part.get("text", "")}
-                 for part in content]
-    return {**message, "content": parts}
-
-
-def _prompt_turns(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    for index, message in enumerate(messages):
-        if message.get("role") == "assistant":
-            return list(messages[:index])
-    return list(messages)
-
 
 def image_engine(model: torch.nn.Module, processor: Any, *, version: int = 0) -> HFEngine:
     """The built-in engine on a plain copy of `model` (a LoRA policy merged; the trainer keeps the original),

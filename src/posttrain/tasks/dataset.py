@@ -13,6 +13,10 @@ solution) or ``boxed`` (the last ``\\boxed{...}`` of a worked solution). A ``lev
 is its question text. Judged by ``math``; the demonstration ends with ``\\boxed{answer}`` and carries the worked
 solution, when the record has one, as its reasoning trace.
 
+``image_field`` names a field holding an image (a path relative to the file, a ``data:`` URL, a datasets ``Image``
+value): each problem's prompt is then the image (as a PNG ``data:`` URL part) and the question, for a
+vision-language model (docs/multimodal.md); the problem's identity is the question and the image's pixels.
+
 A bad file is a `TaskError` naming the file, the line (or row) and the field: ``gsm8k.jsonl:17: field
 'question' missing (did you mean 'questoin'?)``.
 """
@@ -20,6 +24,7 @@ A bad file is a `TaskError` naming the file, the line (or row) and the field: ``
 from __future__ import annotations
 
 import difflib
+import hashlib
 import random
 import re
 from pathlib import Path
@@ -39,6 +44,8 @@ from posttrain.tasks.base import (
 from posttrain.types import Task
 
 ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
+# The verifier argument that holds the reference answer, where it is not `reference` (math's)
+_REFERENCE_ARGUMENT = {"exact": "answer"}
 DEFAULT_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 
 
@@ -56,6 +63,7 @@ class DatasetDomain:
         instruction: str | None = DEFAULT_INSTRUCTION,
         system_prompt: str | None = None,
         verifier: str = "math",
+        image_field: str | None = None,
     ):
         if answer_format not in ANSWER_FORMATS:
             raise TaskError(f"dataset: answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
@@ -69,6 +77,7 @@ class DatasetDomain:
         self.instruction = instruction
         self.system_prompt = system_prompt
         self.verifier = verifier
+        self.image_field = image_field
         self.by_level = tasks_by_level(self._read(), path)
         self.max_level = max(self.by_level)
 
@@ -80,7 +89,7 @@ class DatasetDomain:
         return file_tasks(self.by_level, split, heldout_fraction)
 
     def demonstration(self, task: Task) -> SFTSample:
-        answer = task.verifier_args["reference"]
+        answer = task.verifier_args[_REFERENCE_ARGUMENT.get(self.verifier, "reference")]
         return demo_sample(task, f"The answer is \\boxed{{{answer}}}.", task.metadata.get("solution"),
                            source=self.path)
 
@@ -101,6 +110,11 @@ class DatasetDomain:
         level = self._level(where, record)
         content = f"{question}\n{self.instruction}" if self.instruction else question
         messages = [{"role": "user", "content": content}]
+        if self.image_field:  # the image first, then the question: one user turn with both parts
+            image_url, digest = self._image(where, record)
+            messages[0]["content"] = [{"type": "image_url", "image_url": {"url": image_url}},
+                                      {"type": "text", "text": content}]
+            question = f"{question}\x1f{digest}"  # the problem: the question about this image (the split key)
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         key = str(record[self.id_field]) if self.id_field and self.id_field in record else question
@@ -110,7 +124,7 @@ class DatasetDomain:
             difficulty=level,
             messages=messages,
             verifier=self.verifier,
-            verifier_args={"reference": reference},
+            verifier_args={_REFERENCE_ARGUMENT.get(self.verifier, "reference"): reference},
             max_steps=1,
             timeout_s=60.0,
             metadata={"problem_key": question, "row": row, "source": where, "solution": solution},
@@ -127,6 +141,20 @@ class DatasetDomain:
         if not isinstance(value, str) or not value.strip():
             raise TaskError(f"{where}: field '{field}' must be a non-empty string, got {value!r:.80}")
         return value.strip()
+
+    def _image(self, where: str, record: dict) -> tuple[str, str]:
+        """The record's image as a PNG ``data:`` URL (the task carries its pixels), and the pixels' digest.
+        A path is relative to the data file; a bad image is a `TaskError` naming the file, the line and the field."""
+        from posttrain.data import load_image
+        from posttrain.tasks.shapes import data_url
+
+        if record.get(self.image_field) is None:
+            raise TaskError(f"{where}: field '{self.image_field}' missing; fields present: {', '.join(record)}")
+        try:
+            image = load_image(record[self.image_field], base_dir=Path(self.path).parent)
+        except ValueError as error:
+            raise TaskError(f"{where}: field '{self.image_field}': {error}") from None
+        return data_url(image), hashlib.sha256(image.tobytes()).hexdigest()[:16]
 
     def _reference(self, where: str, raw: str) -> tuple[str, str | None]:
         """The reference answer and, where the field holds a worked solution, that solution."""

@@ -59,6 +59,7 @@ from posttrain.train.vision import (
     run_vision_dpo,
     run_vision_sft,
     vision_dpo_loss,
+    vision_loss_sum,
     vision_sft_loss,
 )
 from posttrain.train.sft import SFTResult, run_sft
@@ -71,6 +72,7 @@ __all__ = [
     "run_vision_dpo",
     "run_vision_sft",
     "vision_dpo_loss",
+    "vision_loss_sum",
     "vision_sft_loss",
     "AnswerSampler",
     "Cursor",

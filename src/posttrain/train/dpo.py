@@ -28,7 +28,6 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,32 +43,20 @@ from posttrain.models import (
     load_model,
     reference_mode,
     save_model_dir,
+    wants_vision,
 )
 from posttrain.tracking import Tracker, say
+from posttrain.train.dpo_vision import run_vision_dpo_recipe
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.chunked import scored_token_stats
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.loop import Cursor
 from posttrain.train.optim import build_optimizer, build_scheduler
-from posttrain.train.pairs import PreparedPairs, mean_stats, start_pair_run, sum_stats, train_on_pairs
-from posttrain.train.preference_losses import preference_loss
+from posttrain.train.pairs import DPOResult, PreparedPairs, mean_stats, start_pair_run, train_on_pairs
+from posttrain.train.preference_losses import scored_pair_loss
 from posttrain.train.step import Runtime, prepare_model
 
 REFERENCE_FILE = "reference_logprobs.pt"
-
-
-@dataclass
-class DPOResult:
-    output_dir: Path
-    final_dir: Path
-    steps: int
-    seconds: float  # training time (the reference pass is `reference_seconds`)
-    reference_seconds: float
-    pairs_per_s: float
-    train_loss: float
-    heldout_start: dict[str, float] = field(default_factory=dict)  # held-out metrics before the first step
-    heldout: dict[str, float] = field(default_factory=dict)  # ... and at the end
-    data_report: dict[str, Any] = field(default_factory=dict)
 
 
 def run_dpo(
@@ -78,6 +65,8 @@ def run_dpo(
     resume: bool = False,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> DPOResult:
+    if wants_vision(recipe.model):  # image prompts, a vision-language policy: train.dpo_vision
+        return run_vision_dpo_recipe(recipe, resume=resume, on_step=on_step)
     output_dir, runtime, tokenizer, pairs = start_pair_run(recipe)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
@@ -255,29 +244,11 @@ def _part(reference: dict[str, torch.Tensor] | None, name: str) -> torch.Tensor 
 
 def dpo_batch_loss(model, batch: dict[str, Any], reference: torch.Tensor | None, recipe: DPORecipe,
                    runtime: Runtime) -> tuple[torch.Tensor, dict[str, float]]:
-    """The per-pair loss of a `collate_pairs` batch (with gradient) and its summed statistics.
-
-    Statistics: loss, accuracy (implicit reward margin > 0), rewards and margin, summed log-probs of chosen
-    and rejected, and preference (the policy itself gives chosen the higher log-prob, per token when the
-    loss normalises by length).
-    """
+    """The per-pair loss of a `collate_pairs` batch (with gradient) and its summed statistics
+    (`train.preference_losses.scored_pair_loss`)."""
     with runtime.autocast():
         logprobs, counts = sequence_logprobs(model, batch)
-    pairs = batch["num_pairs"]
-    ref_chosen = ref_rejected = None
-    if reference is not None:
-        ref_chosen, ref_rejected = reference[:, 0].to(logprobs.device), reference[:, 1].to(logprobs.device)
-    counts = counts.to(logprobs.dtype)
-    result = preference_loss(recipe.dpo, logprobs[:pairs], logprobs[pairs:], ref_chosen, ref_rejected,
-                             counts[:pairs], counts[pairs:])
-    with torch.no_grad():
-        margins = result.chosen_rewards - result.rejected_rewards
-        scores = logprobs / counts.clamp(min=1) if recipe.dpo.normalizes_length else logprobs
-        stats = sum_stats(loss=result.losses, accuracy=margins > 0, reward_chosen=result.chosen_rewards,
-                      reward_rejected=result.rejected_rewards, reward_margin=margins,
-                      logp_chosen=logprobs[:pairs], logp_rejected=logprobs[pairs:],
-                      preference_accuracy=scores[:pairs] > scores[pairs:])
-    return result.losses, stats
+    return scored_pair_loss(recipe.dpo, logprobs, counts, reference)
 
 
 def evaluate_pairs(model, pairs: list[TokenizedPair], reference: torch.Tensor | None, recipe: DPORecipe, tokenizer,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from posttrain.tracking import say
@@ -58,6 +59,21 @@ class StepFigures:
     tokens: int  # input tokens of the step (throughput)
     sums: dict[str, float] = field(default_factory=dict)  # summed statistics, logged as sums / weight
     peaks: dict[str, float] = field(default_factory=dict)  # logged as their largest value over the window
+
+
+@dataclass
+class SFTResult:
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    seconds: float
+    tokens_per_s: float
+    train_loss: float
+    heldout_loss: float | None
+    data_report: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str = ""  # "epochs", "max_steps", "early_stopping" or "time_cap"
+    tokens: int = 0  # input tokens trained on (every step's forward and backward)
+    evaluation: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures (eval/...)
 
 
 def train_loop(

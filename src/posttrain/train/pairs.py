@@ -13,7 +13,7 @@ pure function of (seed, epoch), so a resume replays it exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,9 +32,12 @@ from posttrain.data import (
 from posttrain.models import load_tokenizer
 from posttrain.tracking import say
 from posttrain.train.loop import Cursor, StepFigures, train_loop
+from posttrain.train.preference_losses import sum_stats  # noqa: F401 (the reward model's, from here)
 from posttrain.train.step import Runtime, optimizer_step, setup_runtime
 
 # (collate_pairs batch, indices of its pairs) -> (per-pair losses with gradient, summed statistics incl. "loss")
+# the pairs of a micro-batch -> its batch (with "num_pairs" and "num_tokens"); default `data.collate_pairs`
+Collate = Callable[[list[Any]], dict[str, Any]]
 BatchLoss = Callable[[dict[str, Any], list[int]], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -43,6 +46,20 @@ class PreparedPairs:
     train: list[TokenizedPair]
     heldout: list[TokenizedPair]
     report: dict[str, Any]
+
+
+@dataclass
+class DPOResult:
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    seconds: float  # training time (the reference pass is `reference_seconds`)
+    reference_seconds: float
+    pairs_per_s: float
+    train_loss: float
+    heldout_start: dict[str, float] = field(default_factory=dict)  # held-out metrics before the first step
+    heldout: dict[str, float] = field(default_factory=dict)  # ... and at the end
+    data_report: dict[str, Any] = field(default_factory=dict)
 
 
 def start_pair_run(recipe) -> tuple[Path, Runtime, Any, PreparedPairs]:
@@ -76,20 +93,17 @@ def prepare_pairs(data: PreferenceData, tokenizer, recipe) -> PreparedPairs:
     return PreparedPairs(train=train, heldout=heldout, report=report)
 
 
-def sum_stats(**values: torch.Tensor) -> dict[str, float]:
-    """Each tensor summed to a float (per-batch statistics the loop turns into per-pair means)."""
-    return {key: float(value.detach().float().sum()) for key, value in values.items()}
-
-
 @torch.no_grad()
-def mean_stats(model, pairs: list[TokenizedPair], batch_size: int, pad_id: int, device,
-               batch_stats: Callable[[dict[str, Any], slice], dict[str, float]]) -> dict[str, float]:
+def mean_stats(model, pairs: list[Any], batch_size: int, pad_id: int, device,
+               batch_stats: Callable[[dict[str, Any], slice], dict[str, float]],
+               collate: Collate | None = None) -> dict[str, float]:
     """Per-pair means of the summed statistics `batch_stats(batch, positions)` returns, in eval mode."""
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     for start in range(0, len(pairs), batch_size):
-        batch = collate_pairs(pairs[start : start + batch_size], pad_id, device)
+        chunk = pairs[start : start + batch_size]
+        batch = collate(chunk) if collate is not None else collate_pairs(chunk, pad_id, device)
         for key, value in batch_stats(batch, slice(start, start + batch["num_pairs"])).items():
             sums[key] = sums.get(key, 0.0) + value
     model.train(was_training)
@@ -106,7 +120,7 @@ def train_on_pairs(
     stage: str,
     recipe,
     model: torch.nn.Module,
-    pairs: list[TokenizedPair],
+    pairs: list[Any],  # `TokenizedPair`s, or what `collate` takes
     pad_id: int,
     device,
     optimizer,
@@ -119,6 +133,7 @@ def train_on_pairs(
     evaluate: Callable[[], dict[str, float]] | None,
     save: Callable[[], None],
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    collate: Collate | None = None,
 ) -> float:
     """The optimisation loop over pairs; returns the last step's loss. `evaluate()`'s held-out figures are
     logged as ``heldout/*`` every `eval_every` steps."""
@@ -129,7 +144,8 @@ def train_on_pairs(
         tokens = 0
         for start in range(0, len(indices), micro):
             chunk = indices[start : start + micro]
-            batch = collate_pairs([pairs[i] for i in chunk], pad_id, device)
+            items = [pairs[i] for i in chunk]
+            batch = collate(items) if collate is not None else collate_pairs(items, pad_id, device)
             losses, stats = batch_loss(batch, chunk)
             (losses.sum() / len(indices)).backward()
             for key, value in stats.items():

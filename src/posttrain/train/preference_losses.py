@@ -120,3 +120,35 @@ def _length_scales(config: DPOLossConfig, chosen_tokens: torch.Tensor, rejected_
     if not config.normalizes_length:
         return 1.0, 1.0
     return 1.0 / chosen_tokens.clamp(min=1), 1.0 / rejected_tokens.clamp(min=1)
+
+
+def sum_stats(**values: torch.Tensor) -> dict[str, float]:
+    """Each tensor summed to a float (per-batch statistics the loop turns into per-pair means)."""
+    return {key: float(value.detach().float().sum()) for key, value in values.items()}
+
+
+def scored_pair_loss(config: DPOLossConfig, logprobs: torch.Tensor, counts: torch.Tensor,
+                     reference: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The per-pair loss (with gradient) and summed statistics of a batch of P pairs scored by the policy:
+    `logprobs` and `counts` [2P], chosen first, then rejected (summed log-probs, scored tokens); `reference`
+    [P, 2] (chosen, rejected) or None.
+
+    Statistics: loss, accuracy (implicit reward margin > 0), rewards and margin, summed log-probs of chosen and
+    rejected, and preference (the policy itself gives chosen the higher log-prob, per token when the loss
+    normalises by length).
+    """
+    pairs = logprobs.shape[0] // 2
+    ref_chosen = ref_rejected = None
+    if reference is not None:
+        ref_chosen, ref_rejected = reference[:, 0].to(logprobs.device), reference[:, 1].to(logprobs.device)
+    counts = counts.to(logprobs.dtype)
+    result = preference_loss(config, logprobs[:pairs], logprobs[pairs:], ref_chosen, ref_rejected,
+                             counts[:pairs], counts[pairs:])
+    with torch.no_grad():
+        margins = result.chosen_rewards - result.rejected_rewards
+        scores = logprobs / counts.clamp(min=1) if config.normalizes_length else logprobs
+        stats = sum_stats(loss=result.losses, accuracy=margins > 0, reward_chosen=result.chosen_rewards,
+                          reward_rejected=result.rejected_rewards, reward_margin=margins,
+                          logp_chosen=logprobs[:pairs], logp_rejected=logprobs[pairs:],
+                          preference_accuracy=scores[:pairs] > scores[pairs:])
+    return result.losses, stats

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,16 +25,24 @@ import torch
 
 from posttrain.config import SFTRecipe, dump_recipe
 from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_texts
-from posttrain.models import count_parameters, load_model, load_tokenizer, load_weights_from_checkpoint, save_model_dir
+from posttrain.models import (
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    load_weights_from_checkpoint,
+    save_model_dir,
+    wants_vision,
+)
 from posttrain.tracking import Tracker, say
 from posttrain.train.context_parallel import check_context_parallel, context_parallel_sft_loss_sum, shard_batch
 from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.memory import PeakMemory
-from posttrain.train.loop import Cursor, StepFigures, count_items, train_loop
+from posttrain.train.loop import Cursor, SFTResult, StepFigures, count_items, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.parallel import LOCAL, DataParallel
+from posttrain.train.sft_vision import run_vision_sft_recipe
 from posttrain.train.step import Runtime, optimizer_step, prepare_model, setup_runtime
 
 
@@ -48,21 +55,6 @@ class _Silent:
     start_progress = advance = close = log
 
 
-@dataclass
-class SFTResult:
-    output_dir: Path
-    final_dir: Path
-    steps: int
-    seconds: float
-    tokens_per_s: float
-    train_loss: float
-    heldout_loss: float | None
-    data_report: dict[str, Any] = field(default_factory=dict)
-    stopped_by: str = ""  # "epochs", "max_steps", "early_stopping" or "time_cap"
-    tokens: int = 0  # input tokens trained on (every step's forward and backward)
-    evaluation: dict[str, float] = field(default_factory=dict)  # the last evaluation's figures (eval/...)
-
-
 def run_sft(
     recipe: SFTRecipe,
     *,
@@ -71,6 +63,10 @@ def run_sft(
     parallel: DataParallel = LOCAL,
     evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
 ) -> SFTResult:
+    if wants_vision(recipe.model):  # chats with images, a vision-language policy: train.sft_vision
+        if parallel.world_size > 1 or evaluate is not None:
+            raise ValueError("run_sft: a vision-language policy trains in one process, without an evaluate callback")
+        return run_vision_sft_recipe(recipe, resume=resume, on_step=on_step)
     output_dir = Path(recipe.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     writer = parallel.rank == 0

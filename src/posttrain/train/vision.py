@@ -18,22 +18,27 @@ the `vlm-demo` recipe use; packing image rows is not supported (each chat is a r
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from posttrain.data import VisionSample
-from posttrain.models import VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, vision_inputs
+from posttrain.config import dump_recipe
+from posttrain.data import IGNORE_INDEX, vision_texts
+from posttrain.models import VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, load_tokenizer, load_vision_policy, vision_inputs
 from posttrain.train.forward import target_logprobs
 from posttrain.train.preference_losses import dpo_loss
+from posttrain.train.step import Runtime, setup_runtime
 
 if TYPE_CHECKING:
     from PIL import Image
 
 __all__ = ["ImageSequence", "VisionPair", "completion_logprobs", "run_vision_dpo", "run_vision_sft",
-           "vision_dpo_loss", "vision_sft_loss"]
+           "vision_dpo_loss", "vision_loss_sum", "vision_sft_loss"]
 
 
 @dataclass
@@ -80,6 +85,10 @@ def completion_logprobs(model: torch.nn.Module, sequences: Sequence[ImageSequenc
         mask[row, :length] = 1
     ids, mask = ids.to(parameter.device), mask.to(parameter.device)
     images = _join_images([s.image_inputs for s in sequences], parameter.device, parameter.dtype)
+    image_token = getattr(model.config, "image_token_id", None)
+    if images and image_token is not None and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        # Qwen2-VL's M-RoPE finds the image tokens by their type (1); its processor's own output, rebuilt from the ids
+        images["mm_token_type_ids"] = (ids == image_token).long()
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **images).logits
     out = []
     for row, sequence in enumerate(sequences):
@@ -99,16 +108,35 @@ def vision_sft_loss(model: torch.nn.Module, processor: Any, samples: Sequence[Vi
 
 
 def _rows_loss(model: torch.nn.Module, rows: Sequence[dict[str, torch.Tensor]], pad_id: int) -> torch.Tensor:
+    return model(**_device_batch(model, rows, pad_id)).loss
+
+
+def _device_batch(model: torch.nn.Module, rows: Sequence[dict[str, torch.Tensor]], pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """`rows` collated on the model's device, image tensors in its dtype."""
     parameter = next(model.parameters())
-    batch = collate_vision(rows, pad_id)
-    batch = {key: value.to(parameter.device) for key, value in batch.items()}
+    batch = {key: value.to(parameter.device) for key, value in collate_vision(rows, pad_id).items()}
     for key, value in batch.items():
         if key not in TEXT_KEYS and value.is_floating_point():
             batch[key] = value.to(parameter.dtype)
-    return model(**batch).loss
+    return batch
 
 
-def _pair_sequences(processor: Any, pair: VisionPair) -> tuple[ImageSequence, ImageSequence]:
+def vision_loss_sum(model: torch.nn.Module, rows: Sequence[dict[str, torch.Tensor]], pad_id: int
+                    ) -> tuple[torch.Tensor, int]:
+    """The cross-entropy summed over the labelled (assistant) tokens of `rows` (fp32) and their number: token
+    t's label is scored by the logits at t - 1, as the model's own loss does, summed instead of averaged so a
+    step of several micro-batches can divide by its whole token count."""
+    batch = _device_batch(model, rows, pad_id)
+    labels = batch.pop("labels")
+    logits = model(**batch, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    summed = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed, int((targets != IGNORE_INDEX).sum())
+
+
+def pair_sequences(processor: Any, pair: VisionPair) -> tuple[ImageSequence, ImageSequence]:
     """The pair's two replies as image sequences: the full chat's ids split at the prompt's rendered length."""
     sequences = []
     for reply in (pair.chosen, pair.rejected):
@@ -123,7 +151,7 @@ def _pair_sequences(processor: Any, pair: VisionPair) -> tuple[ImageSequence, Im
 def vision_dpo_loss(model: torch.nn.Module, reference: torch.nn.Module, processor: Any,
                     pairs: Sequence[VisionPair], *, beta: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean sigmoid DPO loss over `pairs`, and the reward accuracy (chosen's implicit reward above rejected's)."""
-    sequences = [s for pair in pairs for s in _pair_sequences(processor, pair)]
+    sequences = [s for pair in pairs for s in pair_sequences(processor, pair)]
     return _pairs_loss(model, reference, sequences, processor.tokenizer.pad_token_id, beta)
 
 
@@ -183,7 +211,7 @@ def run_vision_dpo(model: torch.nn.Module, reference: torch.nn.Module, processor
                    max_grad_norm: float = 1.0) -> VisionTrainResult:
     """`steps` AdamW steps of `vision_dpo_loss` against the frozen `reference`; the model trains in place.
     Each pair goes through the processor once, before the first step."""
-    sequences = [_pair_sequences(processor, pair) for pair in pairs]
+    sequences = [pair_sequences(processor, pair) for pair in pairs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     reference.eval()
     result = VisionTrainResult()
@@ -199,3 +227,19 @@ def run_vision_dpo(model: torch.nn.Module, reference: torch.nn.Module, processor
         result.metrics.append(metrics)
     model.eval()
     return result
+
+
+def start_vision_run(recipe: Any, read: Callable[..., Any]) -> tuple[Path, Runtime, Any, torch.nn.Module, Any]:
+    """What the `sft` and `dpo` recipes' image paths start with: the run directory (with the resolved recipe), the
+    runtime, the data (`read(recipe.data, rejects_dir=...)`), and the policy with its processor. With `model.path`
+    unset the policy is the built-in tiny VLM, its tokenizer trained on the data's text."""
+    output_dir = Path(recipe.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    runtime = setup_runtime(recipe.runtime)
+    data = read(recipe.data, rejects_dir=output_dir)
+    tokenizer = None
+    if recipe.model.path is None:
+        tokenizer = load_tokenizer(recipe.model, corpus=vision_texts(data.train + data.heldout))
+    model, processor = load_vision_policy(recipe.model, tokenizer, runtime.device)
+    return output_dir, runtime, data, model, processor
