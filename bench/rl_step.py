@@ -4,7 +4,9 @@
 
 Same model (the built-in tiny Llama, same initial weights), same prompts (2-digit additions), same reward (the
 arithmetic domain's exact-answer verifier), same sampling (temperature 1, the same max completion length, 8
-completions per prompt), bf16 (autocast for posttrain, `bf16=True` for TRL), no KL term, one optimizer step
+completions per prompt), one precision for both (``--precision``: ``auto``, the recipe default, is bf16 autocast
+where the CPU has native bf16 and fp32 elsewhere; posttrain gets it as `runtime.precision`, TRL `bf16=True` when it
+resolves to bf16), no KL term, one optimizer step
 per batch, gradient checkpointing off. posttrain runs its recipe defaults (the synchronous loop,
 `max_staleness: 0`, `runtime.compile: auto`, which stays eager for a run as short as this one: it compiles runs
 of >= `runtime.compile_min_steps`, 500, whose speed is the synchronous compiled row), rollouts overlapped one step ahead of training (`max_staleness: 1`, as the demo's
@@ -38,12 +40,14 @@ from transformers import TrainerCallback  # noqa: E402
 class _StepClock(TrainerCallback):
     def __init__(self):
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self._start, self._start_cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self._start)
+        self.cpu_times.append(time.process_time() - self._start_cpu)
 
 
 def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | str = "auto") -> dict:
@@ -60,15 +64,16 @@ def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | st
             "optim": {"lr": 1e-4, "schedule": "constant"},
             "train": {"max_steps": args.steps + args.warmup, "micro_batch_size": args.prompts * args.group},
             "pipeline": {"max_staleness": staleness, "self_test": False},
-            "runtime": {"precision": "bf16", "num_threads": threads, "compile": compile_},
+            "runtime": {"precision": args.precision, "num_threads": threads, "compile": compile_},
             "tracking": {"tensorboard": False, "progress": False},
         })
         result = run_rl(recipe)
     steady = result.history[args.warmup:]
     seconds = statistics.median(m["time/step_s"] for m in steady)
+    cpu = statistics.median(m["time/step_cpu_s"] for m in steady)
     tokens = statistics.mean(m["rollout/policy_tokens"] for m in steady) * args.prompts * args.group
     return {"samples_per_s": args.prompts * args.group / seconds, "tokens_per_s": tokens / seconds,
-            "step_s": seconds}
+            "step_s": seconds, "cpu_samples_per_s": args.prompts * args.group / cpu, "step_cpu_s": cpu}
 
 
 def run_trl(base: Path, args, threads: int, compile_: bool = False) -> dict:
@@ -102,7 +107,7 @@ def run_trl(base: Path, args, threads: int, compile_: bool = False) -> dict:
         config = GRPOConfig(
             output_dir=out, max_steps=args.steps + args.warmup, per_device_train_batch_size=args.prompts * args.group,
             num_generations=args.group, max_completion_length=args.max_new, temperature=1.0, beta=0.0,
-            learning_rate=1e-4, lr_scheduler_type="constant", bf16=True, use_cpu=True,
+            learning_rate=1e-4, lr_scheduler_type="constant", bf16=args.bf16, use_cpu=True,
             gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no", seed=0,
             reward_weights=[1.0, 0.0], disable_tqdm=True, torch_compile=compile_,
         )
@@ -110,9 +115,11 @@ def run_trl(base: Path, args, threads: int, compile_: bool = False) -> dict:
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
         trainer.train()
     seconds = statistics.median(clock.times[args.warmup:])
+    cpu = statistics.median(clock.cpu_times[args.warmup:])
     per_step = args.prompts * args.group
     tokens = statistics.mean(lengths[args.warmup * per_step:]) * per_step if lengths else float("nan")
-    return {"samples_per_s": per_step / seconds, "tokens_per_s": tokens / seconds, "step_s": seconds}
+    return {"samples_per_s": per_step / seconds, "tokens_per_s": tokens / seconds, "step_s": seconds,
+            "cpu_samples_per_s": per_step / cpu, "step_cpu_s": cpu}
 
 
 def main() -> int:
@@ -125,6 +132,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="runtime.precision for both sides (auto: the recipe default, bf16 only where it is native)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure runtime.compile (posttrain: the trainer's decoder and the engine's decode step "
                              "compiled; TRL: its torch_compile)")
@@ -133,10 +142,12 @@ def main() -> int:
 
     import torch
 
-    from posttrain.models import build_tiny_model, save_model_dir, train_tokenizer
+    from posttrain.config import RuntimeConfig
+    from posttrain.models import autocast_dtype, build_tiny_model, save_model_dir, train_tokenizer
     from posttrain.tasks import get_domain, sample_tasks
 
     threads = args.threads or torch.get_num_threads()
+    args.bf16 = autocast_dtype(RuntimeConfig(precision=args.precision), torch.device("cpu")) == torch.bfloat16
     try:
         import trl  # noqa: F401
 
@@ -150,7 +161,8 @@ def main() -> int:
         sample = domain.demonstration(task)
         corpus += [m["content"] for m in sample.messages] + [sample.metadata.reasoning_trace]
     tokenizer = train_tokenizer(corpus, vocab_size=512)
-    results: dict = {"threads": threads, "completions_per_step": args.prompts * args.group}
+    results: dict = {"threads": threads, "completions_per_step": args.prompts * args.group,
+                     "precision": f"{args.precision} ({'bf16' if args.bf16 else 'fp32'})"}
     ratios = []
     with tempfile.TemporaryDirectory() as work:
         for preset in args.presets:
@@ -170,7 +182,7 @@ def main() -> int:
                     runs["ours_overlap_compiled"].append(run_ours(base, args, 1, threads, compile_=True))
             entry = {
                 key: {field: round(statistics.median(r[field] for r in value), 3)
-                      for field in ("samples_per_s", "tokens_per_s", "step_s")}
+                      for field in ("samples_per_s", "tokens_per_s", "step_s", "cpu_samples_per_s", "step_cpu_s")}
                 for key, value in runs.items() if value
             }
             if have_trl:
@@ -181,6 +193,9 @@ def main() -> int:
                 entry["best"] = max(ours, key=ours.get)
                 entry["ratio"] = round(ours[entry["best"]] / trl, 3)  # posttrain's fastest configuration
                 entry["ratio_default"] = round(ours["ours"] / trl, 3)  # the recipe defaults on this short run: eager
+                # the same by CPU time (the process's, every thread): what a shared machine's wall time blurs
+                trl_cpu = max(value["cpu_samples_per_s"] for key, value in entry.items() if key.startswith("trl"))
+                entry["cpu_ratio_default"] = round(entry["ours"]["cpu_samples_per_s"] / trl_cpu, 3)
                 if "ours_compiled" in ours:  # what the defaults run for >= runtime.compile_min_steps steps
                     entry["ratio_default_long_run"] = round(ours["ours_compiled"] / trl, 3)
                 ratios.append(entry["ratio"])

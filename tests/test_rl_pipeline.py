@@ -147,6 +147,7 @@ def test_steps_are_the_budget_and_the_time_cap_warns_when_it_cuts_a_run(policy_d
     # the step's compute, counted for the demo's compute-matched control: every sampled token, every trained one
     assert all(m["tokens/sampled"] >= m["tokens/trained"] > 0 for m in full.history)
     assert all(0.0 <= m["time/judge_s"] <= m["time/step_s"] for m in full.history)
+    assert all(m["time/step_cpu_s"] > 0.0 for m in full.history)  # what the step cost, whatever else ran
     capped = recipe(policy_dir, tmp_path / "capped")
     capped.train.max_minutes = 1e-6
     result = run_rl(capped)

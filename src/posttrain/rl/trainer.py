@@ -403,7 +403,7 @@ class _Logs:
 def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple[dict[str, float], list[dict]]:
     """Step `step` -> version `step + 1`: its metrics and the guard's events."""
     recipe, policy = run.recipe, run.policy
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     # batch: what the pipeline sampled for this step, less what must not be trained on
     batch = run.pipeline.next_batch()
     replay = run.guard.replay_batch(step)
@@ -445,6 +445,8 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     metrics.update(_batch_figures(batch, step, components, counts))
     metrics.update(_engine_figures(run.engine))
     metrics["time/step_s"] = time.perf_counter() - began
+    # the process's CPU time (every thread): on a shared machine wall time also counts the other jobs
+    metrics["time/step_cpu_s"] = time.process_time() - began_cpu
 
     # guard: the suites every N steps, the collapse alarms every step
     events: list[dict[str, Any]] = []
