@@ -3,6 +3,7 @@ loaded through the auto classes, fed a chat with images by their own processors,
 and the built-in tiny VLM saved, reloaded and trained a few steps."""
 
 import copy
+import json
 import random
 
 import pytest
@@ -297,7 +298,9 @@ def test_a_qwen2_vl_directory_without_torchvision_loads_without_its_video_proces
     processor.tokenizer.save_pretrained(tmp_path)
     processor.image_processor.save_pretrained(tmp_path)
     (tmp_path / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
-    (tmp_path / "chat_template.jinja").write_text(processor.chat_template)  # the processor's, as on the hub
+    # the processor's template in the file Qwen2-VL's hub repositories carry, in place of the tokenizer's own
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": processor.chat_template}))
     with pytest.raises(ImportError, match="Torchvision"):
         AutoProcessor.from_pretrained(tmp_path)
     _, loaded = load_vision_model(str(tmp_path))

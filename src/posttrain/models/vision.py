@@ -126,14 +126,22 @@ def _without_video(path: str, error: Exception) -> ProcessorMixin:
     processor_class = getattr(transformers, name or "", None)
     if processor_class is None or "video_processor" not in processor_class.get_attributes():
         raise failed from None
-    template = Path(path) / "chat_template.jinja"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        chat_template = template.read_text() if template.is_file() else getattr(tokenizer, "chat_template", None)
+        chat_template = _saved_chat_template(Path(path)) or getattr(tokenizer, "chat_template", None)
         return images_only_processor(processor_class, image_processor=AutoImageProcessor.from_pretrained(path),
                                      tokenizer=tokenizer, chat_template=chat_template)
     except (OSError, ValueError, ImportError):
         raise failed from None
+
+
+def _saved_chat_template(directory: Path) -> str | None:
+    """A processor's chat template as transformers saves it: `chat_template.jinja`, or (older) `chat_template.json`."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    if (directory / "chat_template.json").is_file():
+        return json.loads((directory / "chat_template.json").read_text()).get("chat_template")
+    return None
 
 
 def images_only_processor(processor_class: type[ProcessorMixin], **parts: Any) -> ProcessorMixin:
