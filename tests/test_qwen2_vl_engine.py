@@ -4,6 +4,7 @@ rotary positions (M-RoPE: time, row and column in the image's grid), so the engi
 token; the engine's tokens and log-probs must be transformers' own, and the trainer's the engine's."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -104,6 +105,52 @@ def test_the_fast_decoder_refuses_qwen2_vl(qwen):
     model, processor = qwen
     with pytest.raises(RolloutError, match="qwen2_vl"):
         HFEngine(copy.deepcopy(model), processor.tokenizer, runner="fast")
+
+
+def test_a_sampled_image_placeholder_ends_the_reply_before_it(qwen):
+    """The model may sample its own <|image_pad|> (this one did, in GRPO): the trainer's forward would take it for an
+    image slot with no image and fail, so the engine ends the reply just before it."""
+    from posttrain.train import ImageSequence, completion_logprobs
+
+    model, processor = qwen
+    engine = image_engine(model, processor)
+    assert engine.placeholder_ids == {model.config.image_token_id, model.config.video_token_id}
+    (request,) = _requests(processor, _tasks()[:1])
+    with pytest.raises(ValueError, match="do not match"):
+        completion_logprobs(model, [ImageSequence(request.prompt_token_ids, [model.config.image_token_id],
+                                                  request.image_inputs)])
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    (full,), = engine.generate([request], greedy)
+    assert full.finish_reason == "length" and len(full.token_ids) == 6
+    cut_at = full.token_ids.index(full.token_ids[2])
+    engine.placeholder_ids = frozenset({full.token_ids[2]})  # as if the third greedy token were the image token
+    (cut,), = engine.generate([request], greedy)
+    assert cut.token_ids == full.token_ids[:cut_at] and cut.logprobs == full.logprobs[:cut_at]
+    assert cut.finish_reason == "stop"
+
+
+def test_run_vision_grpo_on_qwen2_vl_keeps_the_engine_on_the_trainers_weights(qwen):
+    """`rl.run_vision_grpo` (the image GRPO loop of its own): step 1 samples from the weights step 0 wrote, so the
+    trainer's log-probs of those tokens (`completion_logprobs`, M-RoPE from the ids) are the engine's: ratio 1."""
+    from posttrain.rl import run_vision_grpo
+
+    model, processor = copy.deepcopy(qwen[0]), qwen[1]
+    before = [p.detach().clone() for p in model.parameters()]
+    # a format rule the untrained model meets by chance (an answer of odd length), so groups carry signal
+    pool = [dataclasses.replace(t, verifier="format", verifier_args={"pattern": ODD_PATTERN, "full_match": False})
+            for t in _tasks() * 4]
+    result = run_vision_grpo(model, processor, lambda step, count: [pool[(step * count + i) % len(pool)]
+                                                                    for i in range(count)],
+                             steps=2, tasks_per_step=3, group_size=4, max_new_tokens=4, lr=1e-3, seed=0)
+    assert result.self_test["gap_abs_max"] < 1e-4
+    assert result.steps[0]["trained_sequences"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert result.steps[1]["trained_sequences"] > 0
+    assert result.steps[1]["ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert result.steps[1]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+
+
+ODD_PATTERN = r"^(?s:.)(?s:..)*$"
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,17 @@ def multimodal_token_types(model: torch.nn.Module, input_ids: torch.Tensor) -> t
     return types
 
 
+def image_placeholder_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The token ids a vision-language model's processor puts where an image's (or video's) features go; empty for
+    a text model. The engine ends a reply before one (`rollout.stopping`): the model's forward would take a sampled
+    one for an image slot."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return frozenset()
+    ids = (getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id"))
+    return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
+
+
 def collate_vision(rows: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad `vision_inputs` rows into one batch; image tensors (pixel values, grids) are concatenated along
     their first axis, which is how every processor batches them (one entry per image, or per patch)."""
