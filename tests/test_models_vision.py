@@ -212,7 +212,7 @@ def _qwen2_vl(tokenizer):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from posttrain.models.vision import images_only_processor
+    from posttrain.models import images_only_processor
 
     tokenizer = copy.deepcopy(tokenizer)
     names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
