@@ -3,6 +3,7 @@ loaded through the auto classes, fed a chat with images by their own processors,
 and the built-in tiny VLM saved, reloaded and trained a few steps."""
 
 import copy
+import json
 import random
 
 import pytest
@@ -207,15 +208,11 @@ def _qwen2_vl(tokenizer):
     """A tiny Qwen2-VL (its ViT with 2x2 patch merging, M-RoPE text model) built from its config, with its own
     image processor (the Pillow one: torchvision is not installed) and processor. Qwen2VLProcessor insists on a
     video processor, and every video processor of transformers needs torchvision; no video is ever passed here,
-    so the check is lifted for a missing one (a test-only subclass)."""
+    so it is built without one (`models.images_only_processor`, what `load_vision_model` does for a directory)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    class ImagesOnly(Qwen2VLProcessor):
-        def check_argument_for_proper_class(self, name, argument):
-            if name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(name, argument)
+    from posttrain.models import images_only_processor
 
     tokenizer = copy.deepcopy(tokenizer)
     names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -230,9 +227,9 @@ def _qwen2_vl(tokenizer):
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    processor = ImagesOnly(image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56),
-                           tokenizer=tokenizer,
-                           chat_template=vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
+    processor = images_only_processor(
+        Qwen2VLProcessor, image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56),
+        tokenizer=tokenizer, chat_template=vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>"))
     return Qwen2VLForConditionalGeneration(config), processor
 
 
@@ -283,19 +280,32 @@ def test_qwen2_vl_learns_with_sft_then_dpo(tiny_tokenizer):
     assert result.losses[-1] < result.losses[0] and result.metrics[-1]["reward_accuracy"] >= 0.75
 
 
-def test_a_qwen2_vl_directory_without_torchvision_is_a_one_line_error(tiny_tokenizer, tmp_path):
+def test_a_qwen2_vl_directory_without_torchvision_loads_without_its_video_processor(tiny_tokenizer, tmp_path):
+    """Its parts saved one by one (the image processor's own file, the tokenizer, the processor's class name and
+    chat template):
+    transformers' AutoProcessor fails on the video processor (torchvision), `load_vision_model` builds the processor
+    from the rest."""
     pytest.importorskip("PIL")
     try:
         import torchvision  # noqa: F401
-        pytest.skip("torchvision is installed: Qwen2-VL's processor loads")
+        pytest.skip("torchvision is installed: Qwen2-VL's processor loads as it is")
     except ImportError:
         pass
+    from transformers import AutoProcessor
+
     model, processor = _qwen2_vl(tiny_tokenizer)
     model.save_pretrained(tmp_path)
     processor.tokenizer.save_pretrained(tmp_path)
     processor.image_processor.save_pretrained(tmp_path)
     (tmp_path / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
-    with pytest.raises(ModelError) as error:
-        load_vision_model(str(tmp_path))
-    assert "\n" not in str(error.value) and "needs a library that is not installed" in str(error.value)
-    assert "Torchvision" in str(error.value)
+    # the processor's template in the file Qwen2-VL's hub repositories carry, in place of the tokenizer's own
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": processor.chat_template}))
+    with pytest.raises(ImportError, match="Torchvision"):
+        AutoProcessor.from_pretrained(tmp_path)
+    _, loaded = load_vision_model(str(tmp_path))
+    assert loaded.video_processor is None and type(loaded).__name__ == "Qwen2VLProcessor"
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    image = [Image.new("RGB", (40, 30), "red")]
+    assert torch.equal(vision_inputs(loaded, prompt, image, labels=False)["input_ids"],
+                       vision_inputs(processor, prompt, image, labels=False)["input_ids"])

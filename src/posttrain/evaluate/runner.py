@@ -111,19 +111,12 @@ def load_vision_checkpoint(path: str | Path, runtime: EvalRuntime, engine: TierE
         model, processor = load_vision_model(str(path), device=device)
     except ModelError as error:
         raise EvalError(f"checkpoint {path}: {error}") from None
-    if getattr(model.config, "model_type", "") in _OWN_POSITION_MODELS:
-        raise EvalError(f"checkpoint {path}: {model.config.model_type} computes its own 3-D rotary positions from "
-                        "the image grid, which the built-in engine does not yet (docs/multimodal.md); train it with "
-                        "sft/dpo, evaluate it elsewhere")
     model.eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     built = HFEngine(model, processor.tokenizer, device=device, autocast=autocast_dtype(settings, device),
                      max_batch_size=runtime.batch_size, runner="generic")
     return Policy(built, processor.tokenizer, str(path), device.type, renderer=ProcessorRenderer(processor))
-
-
-_OWN_POSITION_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | None = None,

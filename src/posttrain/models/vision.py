@@ -10,6 +10,10 @@ Assistant-only labels: the chat is rendered once in full and, for each assistant
 (with the generation prompt) and up to its end; the tokens between are labelled. This needs the template to render
 a conversation's start as a prefix of the whole (every common template does); one that does not is an error.
 
+A processor that needs a video processor (Qwen2-VL's) loads without it when torchvision is missing
+(`images_only_processor`: images and text only). `multimodal_token_types` rebuilds from the ids the per-token
+modality types a model with 3-D rotary positions (Qwen2-VL's M-RoPE) needs beside the image tensors.
+
 `vision_request(processor, messages, images)` is an image prompt for an engine (`posttrain.rollout.HFEngine`): the
 prompt's ids with the image tokens expanded, and the image tensors beside them.
 
@@ -22,6 +26,7 @@ ordinary `LlavaForConditionalGeneration` with its `LlavaProcessor`: `save_pretra
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -82,21 +87,79 @@ def load_vision_model(path: str, *, dtype: str = "float32",
 
 
 def load_processor(path: str) -> ProcessorMixin:
-    """The processor of the vision-language model at `path` (no weights loaded), with its chat template."""
+    """The processor of the vision-language model at `path` (no weights loaded), with its chat template; one whose
+    video processor cannot be built (no torchvision) is built without it (`images_only_processor`)."""
     _require_dir_or_hub_id(path, "model.path")
     try:
         processor = AutoProcessor.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise _load_error(path, "model.path", "could not load a processor", error) from None
-    except ImportError as error:  # Qwen2-VL's processor builds a video processor, which needs torchvision
-        reason = " ".join(str(error).split())[:300]
-        raise ModelError(f"{path}: its processor needs a library that is not installed: {reason}") from None
+    except (OSError, ValueError, ImportError) as error:
+        # Qwen2-VL's processor builds a video processor, which needs torchvision (or its saved config: a processor
+        # saved without one, as `images_only_processor` saves)
+        processor = _without_video(path, error)
     if not hasattr(processor, "image_processor"):
         raise ModelError(f"{path}: the processor ({type(processor).__name__}) has no image processor: "
                          "not a vision-language model")
     if not getattr(processor, "chat_template", None) and not getattr(processor.tokenizer, "chat_template", None):
         raise ModelError(f"{path}: the processor has no chat template; save one with the processor "
                          "(processor.chat_template = ...; processor.save_pretrained(path))")
+    return processor
+
+
+def _without_video(path: str, error: Exception) -> ProcessorMixin:
+    """The processor at `path` built from its image processor and tokenizer when only its video processor failed to
+    load (every video processor of transformers needs torchvision; images never do): see `images_only_processor`.
+    Any other failure is a one-line error."""
+    reason = " ".join(str(error).split())[:300]
+    if isinstance(error, ImportError):
+        failed = ModelError(f"{path}: its processor needs a library that is not installed: {reason}")
+    else:
+        failed = _load_error(path, "model.path", "could not load a processor", error)
+    if "videoprocessor" not in reason.lower().replace(" ", ""):
+        raise failed from None
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    name = None
+    for file in ("processor_config.json", "preprocessor_config.json"):
+        if (Path(path) / file).is_file():
+            name = name or json.loads((Path(path) / file).read_text()).get("processor_class")
+    processor_class = getattr(transformers, name or "", None)
+    if processor_class is None or "video_processor" not in processor_class.get_attributes():
+        raise failed from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        chat_template = _saved_chat_template(Path(path)) or getattr(tokenizer, "chat_template", None)
+        return images_only_processor(processor_class, image_processor=AutoImageProcessor.from_pretrained(path),
+                                     tokenizer=tokenizer, chat_template=chat_template)
+    except (OSError, ValueError, ImportError):
+        raise failed from None
+
+
+def _saved_chat_template(directory: Path) -> str | None:
+    """A processor's chat template as transformers saves it: `chat_template.jinja`, or (older) `chat_template.json`."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    if (directory / "chat_template.json").is_file():
+        return json.loads((directory / "chat_template.json").read_text()).get("chat_template")
+    return None
+
+
+def images_only_processor(processor_class: type[ProcessorMixin], **parts: Any) -> ProcessorMixin:
+    """`processor_class` (e.g. `Qwen2VLProcessor`) without its video processor: images and text go through it as
+    through the full processor; a video cannot be processed (there is no video processor to run it).
+
+    transformers' processors insist on every part, and its video processors all need torchvision, which
+    ``posttrain[vision]`` does not install: PyPI's build is made against the CUDA torch of its release (beside a CPU
+    torch its ops do not load; an unpinned one pulls another torch), the CPU build lives on PyTorch's own index.
+    Here the video processor is not one of the processor's parts: not checked, not saved (`save_pretrained` writes
+    the image processor, tokenizer and chat template and names `processor_class`; `load_processor` builds it
+    images-only again, with or without torchvision, as the saved config names no video processor)."""
+    def get_attributes(cls: type) -> list[str]:
+        return [name for name in processor_class.get_attributes() if name != "video_processor"]
+
+    images_only = type(processor_class.__name__, (processor_class,), {"get_attributes": classmethod(get_attributes)})
+    processor = images_only(**parts)
+    processor.video_processor = None
     return processor
 
 
@@ -136,6 +199,32 @@ def vision_request(processor: ProcessorMixin, messages: Sequence[dict[str, Any]]
     row = vision_inputs(processor, messages, images, labels=False)
     extra = {key: value for key, value in row.items() if key not in TEXT_KEYS}
     return GenerationRequest(row["input_ids"][0].tolist(), request_id, image_inputs=extra or None)
+
+
+def multimodal_token_types(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Each token's modality (0 text, 1 image, 2 video), rebuilt from `input_ids`, for a model whose forward takes
+    them (``mm_token_type_ids``: Qwen2-VL and its kin place their 3-D rotary positions by them; their processor
+    makes the same tensor from the same ids); None for any other model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    image = getattr(base.config, "image_token_id", None)
+    if image is None or "mm_token_type_ids" not in inspect.signature(base.forward).parameters:
+        return None
+    types = (input_ids == image).long()
+    video = getattr(base.config, "video_token_id", None)
+    if video is not None:
+        types = types + 2 * (input_ids == video).long()
+    return types
+
+
+def image_placeholder_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The token ids a vision-language model's processor puts where an image's (or video's) features go; empty for
+    a text model. The engine ends a reply before one (`rollout.stopping`): the model's forward would take a sampled
+    one for an image slot."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return frozenset()
+    ids = (getattr(config, name, None) for name in ("image_token_id", "image_token_index", "video_token_id"))
+    return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
 
 
 def collate_vision(rows: Sequence[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -11,8 +11,9 @@ One `generate` call runs its requests in chunks of at most ``max_batch_size`` se
 
 A request may be an image prompt (``GenerationRequest.image_inputs``: a vision-language model's pixel tensors,
 its ids already holding the image tokens; `posttrain.models.vision_request` builds one): the generic runner feeds
-the images to the prefill and decodes as for text, so the tokens and logprobs follow the same rules. The fast
-decoder and speculative decoding take text prompts only.
+the images to the prefill and decodes as for text, so the tokens and logprobs follow the same rules (Qwen2-VL's
+3-D rotary positions included: `GenericRunner`); a reply ends before an image placeholder token the model samples
+(`rollout.stopping`). The fast decoder and speculative decoding take text prompts only.
 
 Two runners do the model maths: `DecoderRunner` (Llama-family models: preallocated KV caches, the prompt's
 shared by its group, a flat layer loop; the fast path measured in docs/rollout.md) and `GenericRunner`
@@ -34,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.models import context_length
+from posttrain.models import context_length, image_placeholder_ids
 from posttrain.rollout.decoder import PREFILL_CHUNK, DecoderRunner, fast_path_unsupported
 from posttrain.rollout.errors import RolloutError
 from posttrain.rollout.generic import GenericRunner
@@ -101,7 +102,9 @@ class _Record:
                 continue
             self.tokens[row].append(token)
             self.logprobs[row].append(logprob)
-            if token in self.rule.stop_ids:
+            if token in self.rule.placeholder_ids:
+                self.reasons[row] = "placeholder"
+            elif token in self.rule.stop_ids:
                 self.reasons[row] = "token"
             else:
                 running.append(row)
@@ -184,6 +187,7 @@ class HFEngine:
         self.num_threads = num_threads
         self.device = next(model.parameters()).device
         self.eos_ids = eos_token_ids(tokenizer, model)
+        self.placeholder_ids = image_placeholder_ids(model)  # a VLM's image/video tokens: never in a reply
         self.vocab_size = model.get_input_embeddings().num_embeddings
         # extended by model.rope_scaling where set; a vision-language model's is its language model's
         self.max_length = context_length(getattr(model.config, "text_config", None) or model.config)
@@ -319,7 +323,7 @@ class HFEngine:
         image_inputs: list[dict[str, Any] | None] | None = None,
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
-        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling))
+        record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling, self.placeholder_ids))
         if self._speculator is not None:
             self._speculate(prompts, row_limits, row_seeds, sampling, record)
             return record.completions()

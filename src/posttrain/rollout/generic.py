@@ -10,8 +10,15 @@ The group expansion and the compaction use the cache's own ``batch_repeat_interl
 
 Image prompts (a vision-language model such as LLaVA): the prefill also gets the prompts' image tensors, joined
 along their first axis in prompt order (how every processor batches them); the model puts each image's features
-in place of its image tokens, so later steps decode from the cache alone. A model that computes its own position
-ids for images (Qwen2-VL's 3-D rotary positions) is not supported here: its position ids are not one per token.
+in place of its image tokens, so later steps decode from the cache alone.
+
+Multimodal rotary positions (M-RoPE: Qwen2-VL, and the families whose inner model has the same `get_rope_index`):
+an image token's position is 3-D (time, row, column in the image's grid) and the text after an image continues
+from the largest of them, not from its token count. The prefill asks the model's own `get_rope_index` for the
+[3, rows, width] positions of the left-padded prompts (the token types rebuilt from the ids, as
+`models.multimodal_token_types`) and keeps each row's ``delta`` (its largest position + 1 minus its real tokens);
+a decode step's position is then the row's real-token count plus its delta, the same on all three axes (what
+transformers' own generation computes). The deltas follow the rows through group expansion, compaction and `join`.
 
 `join` adds prompts to a running batch (continuous batching): the new prompts are prefilled on their own, then
 the shorter of the two caches is left-padded (masked columns) to the other's length and the two are stacked on
@@ -30,6 +37,9 @@ import inspect
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from posttrain.models import multimodal_token_types
+from posttrain.rollout.errors import RolloutError
+
 
 def _forward_keywords(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
     """The cache keyword and the keep-only-the-last-logits keyword this model's forward takes."""
@@ -44,6 +54,22 @@ def _forward_keywords(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
     return cache, {}
 
 
+def _rope_index(model: torch.nn.Module):
+    """The model's multimodal rotary position function (`get_rope_index` of its inner model), or None for a model
+    whose positions are one per token. A `get_rope_index` this runner cannot call is an error, never skipped."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rope_index = getattr(getattr(base, "model", None), "get_rope_index", None)
+    if rope_index is None:
+        return None
+    probe = torch.zeros(1, 1, dtype=torch.long)
+    if ("mm_token_type_ids" not in inspect.signature(rope_index).parameters
+            or multimodal_token_types(base, probe) is None):
+        raise RolloutError(f"{type(base).__name__} computes its own rotary positions with a get_rope_index the "
+                           "engine cannot call (no mm_token_type_ids in it or in the model's forward, or no "
+                           "image_token_id in its config); it has no runner here")
+    return rope_index
+
+
 class GenericRunner:
     """Prefill, decode and compaction through ``model.forward`` with a dynamic KV cache."""
 
@@ -52,6 +78,7 @@ class GenericRunner:
         self.autocast = autocast
         self.device = next(model.parameters()).device
         self.cache_keyword, self.keep_last = _forward_keywords(model)
+        self.rope_index = _rope_index(model)
         self.cache = None
 
     def _context(self) -> contextlib.AbstractContextManager:
@@ -95,14 +122,28 @@ class GenericRunner:
             mask[row, width - len(prompt) :] = 1
         ids, self.mask = ids.to(self.device), mask.to(self.device)
         positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)
+        images = self._images(image_inputs or [])
+        self.deltas = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        if self.rope_index is not None:
+            positions, self.deltas = self._multimodal_positions(ids, images)
         self.cache = None
-        logits = self._run(ids, positions, self._images(image_inputs or []))
+        logits = self._run(ids, positions, images)
         if rows_per_prompt > 1:
             self.cache.batch_repeat_interleave(rows_per_prompt)
             self.mask = self.mask.repeat_interleave(rows_per_prompt, dim=0)
+            self.deltas = self.deltas.repeat_interleave(rows_per_prompt)
             logits = logits.repeat_interleave(rows_per_prompt, dim=0)
         self.positions = self.mask.sum(-1)
         return logits
+
+    def _multimodal_positions(self, ids: torch.Tensor, images: dict[str, torch.Tensor] | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[3, rows, width] M-RoPE positions of the left-padded prompts (padding at 0, masked) and each row's delta."""
+        images = images or {}
+        positions, deltas = self.rope_index(
+            ids, mm_token_type_ids=multimodal_token_types(self.model, ids), attention_mask=self.mask,
+            image_grid_thw=images.get("image_grid_thw"), video_grid_thw=images.get("video_grid_thw"))
+        return positions, deltas.reshape(-1).to(self.device)
 
     def _images(self, image_inputs: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
         """The prompts' image tensors joined along the first axis, in prompt order (None: no image prompt)."""
@@ -122,7 +163,8 @@ class GenericRunner:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
-        logits = self._run(tokens[:, None], self.positions[:, None])
+        # M-RoPE: a generated token's position is the same on all three axes (the model expands a 2-D one)
+        logits = self._run(tokens[:, None], (self.positions + self.deltas)[:, None])
         self.positions = self.positions + 1
         return logits
 
@@ -130,6 +172,7 @@ class GenericRunner:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
         self.positions = self.positions[rows]
+        self.deltas = self.deltas[rows]
 
     def release(self) -> None:
         self.cache = None
@@ -151,7 +194,7 @@ class GenericRunner:
         if not self.joinable():
             raise RuntimeError(f"GenericRunner.join: a {type(self.cache).__name__} with layers of kinds "
                                f"{sorted({type(l).__name__ for l in self.cache.layers})} cannot take new rows")
-        old_cache, old_mask, old_positions = self.cache, self.mask, self.positions
+        old_cache, old_mask, old_positions, old_deltas = self.cache, self.mask, self.positions, self.deltas
         logits = self.prefill(prompts, rows_per_prompt, capacity)
         width = max(old_mask.shape[1], self.mask.shape[1])
         for old, new in zip(old_cache.layers, self.cache.layers, strict=True):
@@ -162,6 +205,7 @@ class GenericRunner:
         self.cache = old_cache
         self.mask = torch.cat([_pad_mask(old_mask, width), _pad_mask(self.mask, width)])
         self.positions = torch.cat([old_positions, self.positions])
+        self.deltas = torch.cat([old_deltas, self.deltas])
         return logits
 
 

@@ -13,6 +13,10 @@ a verifier reads and what the trainer scores never disagree. The rules, per fini
   tokens whose text ends at or before the start of the stop string: a token straddling the boundary is
   dropped with everything after it.
 * length (``max_new_tokens``, or the model's context): everything sampled is kept.
+* image placeholder (a vision-language model's image or video token, `models.image_placeholder_ids`): the row
+  ends just before it, finish "stop". The token only marks where a processor puts an image's features; sampled
+  into a reply it would be scored by the trainer's forward as a slot for an image that is not there (transformers
+  refuses the count), so it never enters a completion.
 
 Stop strings are matched on text with special tokens skipped (like vLLM); to stop on a special token, put
 its id in ``stop_token_ids``.
@@ -43,9 +47,11 @@ def eos_token_ids(tokenizer: Any, model: Any = None) -> set[int]:
 class StopRule:
     """The stop tokens and stop strings of one generate call, and the cut they imply."""
 
-    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], sampling: SamplingParams):
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], sampling: SamplingParams,
+                 placeholder_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(eos_ids) | frozenset(sampling.stop_token_ids)
+        self.placeholder_ids = frozenset(placeholder_ids)
         self.strings = list(sampling.stop)
         self.include = sampling.include_stop_in_output
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
@@ -72,8 +78,9 @@ class StopRule:
         return [any(stop in text for stop in self.strings) for text in texts]
 
     def cut(self, token_ids: list[int], logprobs: list[float], reason: str) -> tuple[list[int], list[float], str]:
-        """Apply the rules above; `reason` is "token", "string" or "length". Returns ids, logprobs, text."""
-        if reason == "token" and not self.include:
+        """Apply the rules above; `reason` is "token", "string", "placeholder" or "length". Returns ids, logprobs,
+        text."""
+        if reason == "placeholder" or (reason == "token" and not self.include):
             token_ids, logprobs = token_ids[:-1], logprobs[:-1]
         elif reason == "string" and not self.include:
             text = self.decode(token_ids)

@@ -22,7 +22,7 @@ from typing import Any, Literal, Sequence
 import torch
 
 from posttrain.data import Row, collate, model_inputs
-from posttrain.models import split_head
+from posttrain.models import multimodal_token_types, split_head
 from posttrain.types import PosttrainError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ def selected_logits(
     parts = _splittable(model)
     model_kwargs.setdefault("use_cache", False)  # a KV cache would stop transformers keeping packed samples apart
     if parts is None:
+        if "image_grid_thw" in model_kwargs and "mm_token_type_ids" not in model_kwargs:
+            # Qwen2-VL places its 3-D rotary positions by the token types its processor made from these same ids
+            types = multimodal_token_types(model, input_ids)
+            model_kwargs = model_kwargs if types is None else {**model_kwargs, "mm_token_type_ids": types}
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        **model_kwargs).logits
         return logits[:, :-1][select].float()

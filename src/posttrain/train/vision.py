@@ -18,7 +18,6 @@ the `vlm-demo` recipe use; packing image rows is not supported (each chat is a r
 
 from __future__ import annotations
 
-import inspect
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,8 @@ import torch
 from posttrain.data import VisionSample
 from posttrain.config import dump_recipe
 from posttrain.data import IGNORE_INDEX, vision_texts
-from posttrain.models import VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, load_tokenizer, load_vision_policy, vision_inputs
+from posttrain.models import (VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, load_tokenizer, load_vision_policy,
+                              multimodal_token_types, vision_inputs)
 from posttrain.train.forward import target_logprobs
 from posttrain.train.preference_losses import dpo_loss
 from posttrain.train.step import Runtime, setup_runtime
@@ -85,10 +85,9 @@ def completion_logprobs(model: torch.nn.Module, sequences: Sequence[ImageSequenc
         mask[row, :length] = 1
     ids, mask = ids.to(parameter.device), mask.to(parameter.device)
     images = _join_images([s.image_inputs for s in sequences], parameter.device, parameter.dtype)
-    image_token = getattr(model.config, "image_token_id", None)
-    if images and image_token is not None and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        # Qwen2-VL's M-RoPE finds the image tokens by their type (1); its processor's own output, rebuilt from the ids
-        images["mm_token_type_ids"] = (ids == image_token).long()
+    types = multimodal_token_types(model, ids) if images else None
+    if types is not None:  # Qwen2-VL's M-RoPE finds the image tokens by their type: its processor's, from the ids
+        images["mm_token_type_ids"] = types
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **images).logits
     out = []
     for row, sequence in enumerate(sequences):
