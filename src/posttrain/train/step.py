@@ -16,7 +16,14 @@ import numpy as np
 import torch
 
 from posttrain.config import ModelConfig, RuntimeConfig
-from posttrain.models import apply_lora, autocast_dtype, compile_pays, resolve_device, use_compile_cache
+from posttrain.models import (
+    CompileRecord,
+    apply_lora,
+    autocast_dtype,
+    compile_pays,
+    resolve_device,
+    prepare_compile,
+)
 from posttrain.train.context_parallel import recompute_context
 
 log = logging.getLogger(__name__)
@@ -71,11 +78,15 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
     return model
 
 
-def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device: torch.device) -> RuntimeConfig:
-    """`runtime_config` with ``compile: auto`` decided for a run of `max_steps` steps (`compile_pays`), logged."""
+def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device: torch.device,
+                    record: CompileRecord | None = None) -> RuntimeConfig:
+    """`runtime_config` with ``compile: auto`` decided for a run of `max_steps` steps (`compile_pays`; `record`:
+    what this machine measured for the model's shape, `posttrain.models.read_compile_record`), logged."""
     if runtime_config.compile != "auto":
         return runtime_config
-    decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type)
+    precision = "bf16" if autocast_dtype(runtime_config, device) == torch.bfloat16 else "fp32"
+    decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type, precision=precision,
+                                    record=record)
     log.info("runtime.compile auto: %s (%s)", "compiling" if decision else "eager", reason)
     return runtime_config.model_copy(update={"compile": decision})
 
@@ -97,7 +108,7 @@ def compile_decoder(model: torch.nn.Module, model_config: ModelConfig) -> None:
         set_attention(model, "eager", torch.device("cpu"))
     parts = split_head(model)
     target = parts[0] if parts is not None else model
-    use_compile_cache()
+    prepare_compile()
     target.compile(dynamic=True)
 
 
