@@ -14,10 +14,10 @@ which transformers' imports do: a value equal to that default is torch's, not th
 Nothing in the cache is trusted beyond what torch itself trusts: its entries are keyed by a hash of the graph,
 the torch version and the compiler settings.
 
-Measured on a 2-core AMD EPYC (AVX2, fp32), tiny-3m, one RL step of 8 x 8 completions (the trainer's decoder
-stack and the engine's decode step compiled), 1 thread, load ~5: a cold compile cost ~147 s of CPU (91 s in the
-first step, 31 s in a recompile at step 4, 25 s in the C++ compiler), the same in a second process from the
-warm cache ~39 s (30 + 9, the graphs re-traced but their code loaded); docs/benchmarks.md.
+Measured on a 2-core AMD EPYC (AVX2, fp32), tiny-3m, RL steps of 8 x 8 completions (the trainer's decoder stack
+and the engine's decode step compiled), 1 thread, load ~4: a cold compile costs ~106 s of CPU (of which 28 s in
+the C++ compiler), the same in a second process from the warm cache ~27 s (the graphs re-traced, their code
+loaded); a steady step then takes 1.07 CPU-s against 1.17 eager (docs/benchmarks.md).
 
 The cache cannot be asked whether it holds a model shape without tracing it, so a run that compiled leaves a
 small record beside the cache (`CompileMeter`: ``<inductor dir>/posttrain-shapes/<key>.json``, the key a hash of
@@ -208,10 +208,10 @@ def _children_cpu_s() -> float:
 
 # Measured defaults (docs/benchmarks.md), used until this machine has its own figures for a shape. The run length
 # from which a cold compile pays back: bf16 (AVX512-BF16 machine, tiny-3m RL step 0.265 -> 0.165 s wall, ~60 s of
-# compiling) 500 steps; fp32 (2-core AVX2 machine, 1.17 -> 1.10 CPU-s a step, ~150 CPU-s cold) 2,000. A warm
-# compile's CPU seconds there: ~40.
-COLD_MIN_STEPS = {"bf16": 500, "fp32": 2000}
-WARM_COMPILE_CPU_S = 40.0
+# compiling) 500 steps; fp32 (2-core AVX2 machine, 1.17 -> 1.07 CPU-s a step, ~106 CPU-s cold) 1,000. A warm
+# compile's CPU seconds there: ~27.
+COLD_MIN_STEPS = {"bf16": 500, "fp32": 1000}
+WARM_COMPILE_CPU_S = 30.0
 
 
 def compile_pays(max_steps: int | None, min_steps: int | None, device_type: str, *, precision: str = "fp32",

@@ -8,7 +8,6 @@ and `prepare_model` (LoRA, activation checkpointing, compile; `resolve_compile` 
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 from dataclasses import dataclass
 
@@ -24,9 +23,9 @@ from posttrain.models import (
     resolve_device,
     prepare_compile,
 )
+from posttrain.tracking import say
 from posttrain.train.context_parallel import recompute_context
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,7 +86,7 @@ def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device
     precision = "bf16" if autocast_dtype(runtime_config, device) == torch.bfloat16 else "fp32"
     decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type, precision=precision,
                                     record=record)
-    log.info("runtime.compile auto: %s (%s)", "compiling" if decision else "eager", reason)
+    say(f"[compile] runtime.compile auto: {'compiling' if decision else 'eager'} ({reason})")
     return runtime_config.model_copy(update={"compile": decision})
 
 
