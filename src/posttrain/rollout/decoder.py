@@ -464,8 +464,7 @@ class DecoderRunner:
         compiled = self.length >= 2 and self.grid[0] >= 2
         step = self.step if compiled else _decode_step
         logits = step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
-                           self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches,
-                           self.dims)
+                      self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches, self.dims)
         self.positions += 1
         self.length += 1
         return logits

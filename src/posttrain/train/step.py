@@ -20,8 +20,8 @@ from posttrain.models import (
     apply_lora,
     autocast_dtype,
     compile_pays,
-    resolve_device,
     prepare_compile,
+    resolve_device,
 )
 from posttrain.tracking import say
 from posttrain.train.context_parallel import recompute_context
