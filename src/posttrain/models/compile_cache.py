@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,49 +157,79 @@ def _write_record(key: str, record: CompileRecord) -> None:
         log.warning("could not record the compile figures of shape %s (%s)", key, error)
 
 
-class CompileMeter:
-    """Watches a run's first steps and records its shape's figures (`read_compile_record` reads them back).
+_COMPILED_IN_PROCESS: set[str] = set()  # the shapes this process has compiled (and recorded)
 
-    The compile cost is what the first `window` steps took above their median (the median step is a steady
-    one: compiling happens in the first step or two, a recompile or two later); the steady step is that median.
+
+class CompileMeter:
+    """Measures a run's compiles and its steady step, and records them for its shape (`read_compile_record`).
+
+    The compile cost is the CPU time spent inside torch's compiles (the process's, every thread, and the C++
+    compiler's child processes), timed by dynamo's compile callbacks, which fire around each compile, the lazily
+    compiled backward included, wherever it happens: the self-test, a batch sampled ahead, the first update.
+    The steady step is the median CPU time of steps 2 to `window`. Recorded after `window` steps, and again at
+    `close` when a later compile added to the cost.
     """
 
     def __init__(self, key: str | None, compiled: bool, window: int = 8):
         self.key, self.compiled, self.window = key, compiled, window
         self.was_warm = bool(key and (read_compile_record(key) or CompileRecord()).warm)
+        # A second compiled run in one process reuses what torch compiled in memory (~0 CPU-s): not what a new
+        # process pays, so only the first run of a shape in a process records its compile cost.
+        self.first_in_process = key not in _COMPILED_IN_PROCESS
         self.step_cpu_s: list[float] = []
-        self.done = key is None
-        self._children_cpu_s = _children_cpu_s()
+        self.compile_cpu_s = 0.0
+        self._recorded_cpu_s: float | None = None
+        self._started: float | None = None
+        self._handler = None
+        if key and compiled:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self._compile_started)
+            callback_handler.register_end_callback(self._compile_ended)
+            self._handler = callback_handler
+
+    def _compile_started(self, _args: Any) -> None:
+        self._started = time.process_time() + _children_cpu_s()
+
+    def _compile_ended(self, _args: Any) -> None:
+        if self._started is not None:
+            self.compile_cpu_s += time.process_time() + _children_cpu_s() - self._started
+            self._started = None
 
     def observe(self, step_cpu_s: float) -> None:
-        """One step's CPU time (the process's); the C++ compiler's, run as child processes, is added here."""
-        if self.done:
-            return
-        children = _children_cpu_s()
-        self.step_cpu_s.append(step_cpu_s + children - self._children_cpu_s)
-        self._children_cpu_s = children
-        if len(self.step_cpu_s) >= self.window:
-            self.close()
+        """One step's CPU time (the process's)."""
+        self.step_cpu_s.append(step_cpu_s)
+        if len(self.step_cpu_s) == self.window:
+            self._record()
 
     def close(self) -> None:
-        """Record what the steps seen so far say (at least 3; fewer say nothing steady)."""
-        if self.done or len(self.step_cpu_s) < 3:
-            self.done = True
+        """At the run's end: record what the steps seen say (if not yet, or if compiling cost more since)."""
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._compile_started)
+            self._handler.remove_end_callback(self._compile_ended)
+            self._handler = None
+        if self._recorded_cpu_s is None or self.compile_cpu_s > self._recorded_cpu_s:
+            self._record()
+
+    def _record(self) -> None:
+        if self.key is None or len(self.step_cpu_s) < 3:  # fewer steps say nothing steady
             return
-        self.done = True
-        steady = statistics.median(self.step_cpu_s[1:])
+        steady = statistics.median(self.step_cpu_s[1 : self.window])
         before = read_compile_record(self.key) or CompileRecord()
+        self._recorded_cpu_s = self.compile_cpu_s
         if not self.compiled:
             _write_record(self.key, replace(before, eager_step_cpu_s=steady))
             return
-        cost = sum(max(0.0, seconds - steady) for seconds in self.step_cpu_s)
-        if self.was_warm and before.warm:
-            record = replace(before, warm_cpu_s=cost, compiled_step_cpu_s=steady)
+        if not self.first_in_process:
+            record = replace(before, compiled_step_cpu_s=steady)
+        elif self.was_warm and before.warm:
+            record = replace(before, warm_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
         else:
-            record = replace(before, cold_cpu_s=cost, compiled_step_cpu_s=steady)
+            record = replace(before, cold_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
+        _COMPILED_IN_PROCESS.add(self.key)
         _write_record(self.key, record)
         log.info("runtime.compile: compiling took %.0f CPU-s (%s cache); a steady step %.3f CPU-s",
-                 cost, "warm" if self.was_warm else "cold", steady)
+                 self.compile_cpu_s, "warm" if self.was_warm else "cold", steady)
 
 
 def _children_cpu_s() -> float:
