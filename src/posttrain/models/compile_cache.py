@@ -272,7 +272,8 @@ def compile_pays(max_steps: int | None, min_steps: int | None, device_type: str,
                            f"runtime.compile_min_steps ({min_steps}): a cold compile would not pay back")
         return True, f"{max_steps} steps >= runtime.compile_min_steps ({min_steps}): a cold compile pays back"
     cost = record.warm_cpu_s if record.warm_cpu_s is not None else min(WARM_COMPILE_CPU_S, record.cold_cpu_s)
-    figures = f"this machine: cold compile {record.cold_cpu_s:.0f} CPU-s, warm {cost:.0f}"
+    warm = f"warm {cost:.0f}" if record.warm_cpu_s is not None else f"warm ~{cost:.0f} (not measured yet)"
+    figures = f"this machine: cold compile {record.cold_cpu_s:.0f} CPU-s, {warm}"
     if record.eager_step_cpu_s is not None and record.compiled_step_cpu_s is not None:
         saving = record.eager_step_cpu_s - record.compiled_step_cpu_s
         figures += f", step {record.eager_step_cpu_s:.3f} eager / {record.compiled_step_cpu_s:.3f} compiled"
