@@ -8,13 +8,16 @@ completions per prompt), one precision for both (``--precision``: ``auto``, the 
 where the CPU has native bf16 and fp32 elsewhere; posttrain gets it as `runtime.precision`, TRL `bf16=True` when it
 resolves to bf16), no KL term, one optimizer step
 per batch, gradient checkpointing off. posttrain runs its recipe defaults (the synchronous loop,
-`max_staleness: 0`, `runtime.compile: auto`, which stays eager for a run as short as this one: it compiles runs
-of >= `runtime.compile_min_steps`, 500, whose speed is the synchronous compiled row), rollouts overlapped one step ahead of training (`max_staleness: 1`, as the demo's
+`max_staleness: 0`, `runtime.compile: auto`, which stays eager for a run as short as this one: it compiles a run
+long enough to win the compile back, from a warm cache or cold (`posttrain.models.compile_pays`), whose speed is
+the synchronous compiled row), rollouts overlapped one step ahead of training (`max_staleness: 1`, as the demo's
 RL stage runs), and both with `runtime.compile` (`--no-compile` skips those); `"ratio"` is posttrain's fastest
 configuration over TRL's fastest (TRL runs eagerly and with its `torch_compile`; the SFT bench also takes
 TRL's fastest), `"ratio_default"` the recipe defaults' over it on this short run and `"ratio_default_long_run"`
 theirs on a run long enough to compile (the synchronous compiled configuration). Figures are steady-state medians over the steps
-after `--warmup` (compiling happens there); runs alternate (ours, TRL, ours, ...).
+after `--warmup` (compiling happens there); runs alternate (ours, TRL, ours, ...). `"compile_cpu_s"` is what the
+compiled runs' steps took above a steady one, per repeat (the process's CPU, not the C++ compiler's): the first
+from whatever posttrain's compile cache held (cold on a fresh machine), the others from the warm cache.
 
 samples/s = completions per step / seconds per step; tokens/s counts completion tokens.
 Ends by printing one JSON line: {"bench": "rl_step", "results": {...}, "ratio": ours / TRL (samples/s)}.
@@ -72,8 +75,11 @@ def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | st
     seconds = statistics.median(m["time/step_s"] for m in steady)
     cpu = statistics.median(m["time/step_cpu_s"] for m in steady)
     tokens = statistics.mean(m["rollout/policy_tokens"] for m in steady) * args.prompts * args.group
+    # what the steps took above a steady one: compiling (cold on a fresh cache, warm after), ~0 eager
+    extra_cpu = sum(max(0.0, m["time/step_cpu_s"] - cpu) for m in result.history)
     return {"samples_per_s": args.prompts * args.group / seconds, "tokens_per_s": tokens / seconds,
-            "step_s": seconds, "cpu_samples_per_s": args.prompts * args.group / cpu, "step_cpu_s": cpu}
+            "step_s": seconds, "cpu_samples_per_s": args.prompts * args.group / cpu, "step_cpu_s": cpu,
+            "first_steps_extra_cpu_s": extra_cpu}
 
 
 def run_trl(base: Path, args, threads: int, compile_: bool = False) -> dict:
@@ -196,8 +202,11 @@ def main() -> int:
                 # the same by CPU time (the process's, every thread): what a shared machine's wall time blurs
                 trl_cpu = max(value["cpu_samples_per_s"] for key, value in entry.items() if key.startswith("trl"))
                 entry["cpu_ratio_default"] = round(entry["ours"]["cpu_samples_per_s"] / trl_cpu, 3)
-                if "ours_compiled" in ours:  # what the defaults run for >= runtime.compile_min_steps steps
+                if "ours_compiled" in ours:  # what the defaults run on a run long enough to win the compile back
                     entry["ratio_default_long_run"] = round(ours["ours_compiled"] / trl, 3)
+                    entry["cpu_ratio_default_long_run"] = round(entry["ours_compiled"]["cpu_samples_per_s"] / trl_cpu, 3)
+                    # per repeat, in order: the first compiles from whatever the cache holds, the rest from a warm one
+                    entry["compile_cpu_s"] = [round(r["first_steps_extra_cpu_s"], 1) for r in runs["ours_compiled"]]
                 ratios.append(entry["ratio"])
             results[preset] = entry
             print(f"{preset}: {entry}", file=sys.stderr)

@@ -80,6 +80,23 @@ def test_the_compiled_decode_step_samples_what_a_teacher_forced_forward_scores(m
     assert [c.token_ids for g in compiled for c in g] == [c.token_ids for g in eager for c in g]
 
 
+@pytest.mark.slow
+def test_the_compiled_decode_step_is_not_recompiled_per_batch_shape(model, tokenizer):
+    """Row counts, prompt lengths and finished rows that change from call to call, one row per prompt as RL's
+    episodes ask: one graph serves them all (torch's 0/1 specialization of the first columns and its duck sizing
+    of equal sizes each cost a recompile, ~10-30 CPU-s on 2 cores, before the engine kept clear of them)."""
+    from torch._dynamo.utils import counters
+
+    engine = HFEngine(model, tokenizer, compile=True)
+    texts = ("12+3=", "the quick brown fox jumps", "Answer:", "7*8=", "a b c d e f g h", "x")
+    engine.generate(requests(tokenizer, texts[:4]), SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
+    compiled = counters["stats"]["unique_graphs"]
+    for count in (6, 3, 5, 2):
+        engine.generate(requests(tokenizer, texts[:count]), SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                                           seed=count))
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_greedy_equals_transformers_generate(model, tokenizer):
     reqs = requests(tokenizer)
     for runner in ("fast", "generic"):

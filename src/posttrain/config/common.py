@@ -86,12 +86,14 @@ class RuntimeConfig(Section):
     # fp32 otherwise. Parameters and optimizer state stay in `model.dtype` either way.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = False
-    # torch.compile the decoder stack (needs a C++ compiler on CPU): ~1.35x tokens/s on the tiny models here,
-    # after ~35 s of compiling (once per machine and model shape: the compiled code is cached on disk,
-    # posttrain.models.compile_cache); worth it for runs of minutes, not for a smoke test. "auto" (RL's default)
-    # compiles when the run has at least `compile_min_steps` steps and a compiler is there.
+    # torch.compile the decoder stack (needs a C++ compiler on CPU): ~1.35x tokens/s on the tiny models in bf16,
+    # ~9% less CPU per RL step in fp32 on an AVX2 CPU, after a compile that costs ~106 CPU-s there cold and ~27
+    # warm (the compiled code is cached on disk once per machine and model shape, posttrain.models.compile_cache).
+    # "auto" (RL's default) compiles when a compiler is there and the run is long enough to win the compile back:
+    # with a warm cache, from this machine's own figures for the model's shape; cold, `compile_min_steps` steps
+    # (unset: the measured default for the precision, 500 in bf16, 1,000 in fp32).
     compile: bool | Literal["auto"] = False
-    compile_min_steps: int = Field(500, gt=0)
+    compile_min_steps: int | None = Field(None, gt=0)
     num_threads: int | None = None  # torch intra-op threads; unset = torch's default
     seed: int = 0
     debug: bool = False

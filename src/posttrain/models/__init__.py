@@ -6,7 +6,16 @@ vision-language models (`AutoModelForImageTextToText` + processor) and the built
 """
 
 from posttrain.models.attention import segments_from_positions, varlen_attention_forward, varlen_mask
-from posttrain.models.compile_cache import compile_cache_dir, compile_pays, use_compile_cache
+from posttrain.models.compile_cache import (
+    CompileMeter,
+    CompileRecord,
+    compile_cache_dir,
+    compile_pays,
+    compile_shape_key,
+    prepare_compile,
+    read_compile_record,
+    use_compile_cache,
+)
 from posttrain.models.checkpoint import (
     capture_rng,
     latest_checkpoint,
@@ -87,8 +96,13 @@ __all__ = [
     "build_tiny_model",
     "capture_rng",
     "check_same_tokenizer",
+    "CompileMeter",
+    "CompileRecord",
     "compile_cache_dir",
     "compile_pays",
+    "compile_shape_key",
+    "prepare_compile",
+    "read_compile_record",
     "count_adapted",
     "context_length",
     "count_parameters",

@@ -1,29 +1,57 @@
-"""Where torch.compile keeps what it compiled, so a model shape is compiled in full once per machine.
+"""Where torch.compile keeps what it compiled, so a model shape is compiled in full once per machine, and the rule
+behind ``runtime.compile: auto``.
 
 torch's inductor caches its compiled graphs (the FX graph cache) and their autograd halves (the AOT autograd
 cache) on disk, both on by default, but under ``/tmp/torchinductor_<user>``: gone at every reboot, and on a
 container's fresh ``/tmp`` at every start. `use_compile_cache` points them at a directory that persists:
 
-    $POSTTRAIN_CACHE_DIR/compile, else $XDG_CACHE_HOME/posttrain/compile, else ~/.cache/posttrain/compile
+    $TORCHINDUCTOR_CACHE_DIR when the user set it, else
+    $POSTTRAIN_CACHE_DIR/compile/inductor, else $XDG_CACHE_HOME/posttrain/compile/inductor,
+    else ~/.cache/posttrain/compile/inductor
 
-A cold compile of tiny-3m's decoder stack and decode step costs ~35 s here; a warm one re-traces the Python
-(dynamo) but loads the generated code instead of generating and building it. A ``TORCHINDUCTOR_CACHE_DIR`` (or
-``TRITON_CACHE_DIR``) the user set is kept as it is. Nothing in the cache is trusted beyond what torch itself
-trusts: its entries are keyed by a hash of the graph, the torch version and the compiler settings.
+(torch writes its own ``/tmp`` default into ``TORCHINDUCTOR_CACHE_DIR`` as soon as ``torch._inductor`` is imported,
+which transformers' imports do: a value equal to that default is torch's, not the user's, and is replaced).
+Nothing in the cache is trusted beyond what torch itself trusts: its entries are keyed by a hash of the graph,
+the torch version and the compiler settings.
 
-`compile_pays` is the rule behind ``runtime.compile: auto``: compile when the run has at least
-``min_steps`` steps to win the one-off cost back, and a compiler to compile with.
+Measured on a 2-core AMD EPYC (AVX2, fp32), tiny-3m, RL steps of 8 x 8 completions (the trainer's decoder stack
+and the engine's decode step compiled), 1 thread, load ~4: a cold compile costs ~106 s of CPU (of which 28 s in
+the C++ compiler), the same in a second process from the warm cache ~27 s (the graphs re-traced, their code
+loaded); a steady step then takes 1.07 CPU-s against 1.17 eager (docs/benchmarks.md).
+
+The cache cannot be asked whether it holds a model shape without tracing it, so a run that compiled leaves a
+small record beside the cache (`CompileMeter`: ``<inductor dir>/posttrain-shapes/<key>.json``, the key a hash of
+the model's architecture, precision, device and the torch and transformers versions: `compile_shape_key`), with
+what this machine measured: the compile's cost cold and warm, and a steady step compiled and eager (an eager run
+records its step too). `compile_pays` decides ``compile: auto`` from it: a shape compiled here before is warm,
+and compiles when the run is long enough for the measured saving per step to win the warm compile back.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import logging
+import math
 import os
 import shutil
+import statistics
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The architecture fields a compiled graph specializes on (shapes, activation, rotary layout, attention kernel).
+_SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "hidden_act", "tie_word_embeddings",
+                 "rope_scaling", "rope_parameters", "_attn_implementation", "dtype")
 
 
 def compile_cache_dir() -> Path:
-    """The directory compiled artifacts persist in (not created)."""
+    """posttrain's compile cache directory (not created); inductor's own cache is its ``inductor`` folder."""
     root = os.environ.get("POSTTRAIN_CACHE_DIR")
     if root:
         return Path(root).expanduser() / "compile"
@@ -32,11 +60,24 @@ def compile_cache_dir() -> Path:
     return base / "posttrain" / "compile"
 
 
+def _users_inductor_dir() -> Path | None:
+    """A ``TORCHINDUCTOR_CACHE_DIR`` that is not torch's own ``/tmp`` default (which torch sets on import)."""
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not value:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.path.abspath(value) == os.path.abspath(default_cache_dir()):
+        return None
+    return Path(value)
+
+
 def use_compile_cache() -> Path | None:
-    """Point torch's compile caches at `compile_cache_dir` (before the first compile of the process); returns
-    the inductor cache directory in use, or None when it cannot be created (torch's default stays)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):  # the user's choice, or one this process already made
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    """Point torch's compile caches at a directory that persists (before the process compiles); returns the
+    inductor cache directory in use, or None when it cannot be created (torch's default stays)."""
+    users = _users_inductor_dir()
+    if users is not None:  # the user's choice, or one this process already made
+        return users
     directory = compile_cache_dir()
     try:
         (directory / "inductor").mkdir(parents=True, exist_ok=True)
@@ -47,10 +88,174 @@ def use_compile_cache() -> Path | None:
     return directory / "inductor"
 
 
-def compile_pays(max_steps: int | None, min_steps: int, device_type: str) -> tuple[bool, str]:
-    """Whether ``runtime.compile: auto`` compiles, and why (for the log)."""
-    if max_steps is None or max_steps < min_steps:
-        return False, f"{max_steps} steps is under runtime.compile_min_steps ({min_steps}): not worth compiling"
+def prepare_compile() -> Path | None:
+    """What every compile of posttrain's does first: `use_compile_cache`, and shapes that stay apart.
+
+    torch's "duck sizing" gives dimensions of equal size one symbol when it first traces a graph, and guards on
+    their equality: the engine's decode step compiled with 64 rows and a head size of 64 was recompiled (~31
+    CPU-s cold) when a batch first had fewer rows. With it off, one graph serves every row count."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    return use_compile_cache()
+
+
+def compile_shape_key(model_config: Any, precision: str, device_type: str, **details: Any) -> str:
+    """A hash of what a compiled model's graphs depend on: its architecture (`model_config`, a transformers
+    config), the precision, the device and the library versions; `details` adds the recipe's switches that change
+    the graph (LoRA, activation checkpointing)."""
+    import torch
+    import transformers
+
+    fields = {name: getattr(model_config, name, None) for name in _SHAPE_FIELDS}
+    fields.update(precision=precision, device=device_type, torch=torch.__version__,
+                  transformers=transformers.__version__, **details)
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _record_path(key: str) -> Path:
+    inductor = _users_inductor_dir() or compile_cache_dir() / "inductor"
+    return inductor / "posttrain-shapes" / f"{key}.json"
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """What this machine measured for a model shape (CPU seconds of the process, the C++ compiler's included):
+    the compile from an empty cache, the latest one that found it warm, and a steady step compiled and eager."""
+
+    cold_cpu_s: float | None = None  # None: never compiled here (the cache is cold for this shape)
+    warm_cpu_s: float | None = None
+    compiled_step_cpu_s: float | None = None
+    eager_step_cpu_s: float | None = None
+
+    @property
+    def warm(self) -> bool:
+        return self.cold_cpu_s is not None
+
+
+def read_compile_record(key: str) -> CompileRecord | None:
+    """The record of `key`, or None when this machine has no figures for that shape (or its cache was wiped)."""
+    try:
+        data = json.loads(_record_path(key).read_text())
+        return CompileRecord(**{name: (float(data[name]) if data.get(name) is not None else None)
+                                for name in CompileRecord.__dataclass_fields__})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_record(key: str, record: CompileRecord) -> None:
+    """Atomically; a failure to write only costs the next run the default estimate."""
+    path = _record_path(key)
+    data = dict(record.__dict__, updated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data))
+        partial.replace(path)
+    except OSError as error:
+        log.warning("could not record the compile figures of shape %s (%s)", key, error)
+
+
+_COMPILED_IN_PROCESS: set[str] = set()  # the shapes this process has compiled (and recorded)
+
+
+class CompileMeter:
+    """Measures a run's compiles and its steady step, and records them for its shape (`read_compile_record`).
+
+    The compile cost is the CPU time spent inside torch's compiles (the process's, every thread, and the C++
+    compiler's child processes), timed by dynamo's compile callbacks, which fire around each compile, the lazily
+    compiled backward included, wherever it happens: the self-test, a batch sampled ahead, the first update.
+    The steady step is the median CPU time of steps 2 to `window`. Recorded after `window` steps, and again at
+    `close` when a later compile added to the cost.
+    """
+
+    def __init__(self, key: str | None, compiled: bool, window: int = 8):
+        self.key, self.compiled, self.window = key, compiled, window
+        self.was_warm = bool(key and (read_compile_record(key) or CompileRecord()).warm)
+        # A second compiled run in one process reuses what torch compiled in memory (~0 CPU-s): not what a new
+        # process pays, so only the first run of a shape in a process records its compile cost.
+        self.first_in_process = key not in _COMPILED_IN_PROCESS
+        self.step_cpu_s: list[float] = []
+        self.compile_cpu_s = 0.0
+        self._recorded_cpu_s: float | None = None
+        self._started: float | None = None
+        self._handler = None
+        if key and compiled:
+            from torch._dynamo.callback import callback_handler
+
+            callback_handler.register_start_callback(self._compile_started)
+            callback_handler.register_end_callback(self._compile_ended)
+            self._handler = callback_handler
+
+    def _compile_started(self, _args: Any) -> None:
+        self._started = time.process_time() + _children_cpu_s()
+
+    def _compile_ended(self, _args: Any) -> None:
+        if self._started is not None:
+            self.compile_cpu_s += time.process_time() + _children_cpu_s() - self._started
+            self._started = None
+
+    def observe(self, step_cpu_s: float) -> None:
+        """One step's CPU time (the process's)."""
+        self.step_cpu_s.append(step_cpu_s)
+        if len(self.step_cpu_s) == self.window:
+            self._record()
+
+    def close(self) -> None:
+        """At the run's end: record what the steps seen say (if not yet, or if compiling cost more since)."""
+        if self._handler is not None:
+            self._handler.remove_start_callback(self._compile_started)
+            self._handler.remove_end_callback(self._compile_ended)
+            self._handler = None
+        if self._recorded_cpu_s is None or self.compile_cpu_s > self._recorded_cpu_s:
+            self._record()
+
+    def _record(self) -> None:
+        if self.key is None or len(self.step_cpu_s) < 3:  # fewer steps say nothing steady
+            return
+        steady = statistics.median(self.step_cpu_s[1 : self.window])
+        before = read_compile_record(self.key) or CompileRecord()
+        self._recorded_cpu_s = self.compile_cpu_s
+        if not self.compiled:
+            _write_record(self.key, replace(before, eager_step_cpu_s=steady))
+            return
+        if not self.first_in_process:
+            record = replace(before, compiled_step_cpu_s=steady)
+        elif self.was_warm and before.warm:
+            record = replace(before, warm_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
+        else:
+            record = replace(before, cold_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
+        _COMPILED_IN_PROCESS.add(self.key)
+        _write_record(self.key, record)
+        log.info("runtime.compile: compiling took %.0f CPU-s (%s cache); a steady step %.3f CPU-s",
+                 self.compile_cpu_s, "warm" if self.was_warm else "cold", steady)
+
+
+def _children_cpu_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+# Measured defaults (docs/benchmarks.md), used until this machine has its own figures for a shape. The run length
+# from which a cold compile pays back: bf16 (AVX512-BF16 machine, tiny-3m RL step 0.265 -> 0.165 s wall, ~60 s of
+# compiling) 500 steps; fp32 (2-core AVX2 machine, 1.17 -> 1.07 CPU-s a step, ~106 CPU-s cold) 1,000. A warm
+# compile's CPU seconds there: ~27.
+COLD_MIN_STEPS = {"bf16": 500, "fp32": 1000}
+WARM_COMPILE_CPU_S = 30.0
+
+
+def compile_pays(max_steps: int | None, min_steps: int | None, device_type: str, *, precision: str = "fp32",
+                 record: CompileRecord | None = None) -> tuple[bool, str]:
+    """Whether ``runtime.compile: auto`` compiles a run of `max_steps` steps, and why (for the log).
+
+    Cold (this machine has not compiled the shape), the run must have `min_steps` steps (None: the measured
+    default for `precision`, `COLD_MIN_STEPS`). Warm, it must have enough steps for the saving per step to win
+    back a warm compile: this machine's own figures from `record` (warm compile CPU-s over eager minus compiled
+    step CPU-s) once it has them; until then `min_steps` scaled by the warm compile's share of the cold one.
+    """
+    if min_steps is None:
+        min_steps = COLD_MIN_STEPS.get(precision, COLD_MIN_STEPS["fp32"])
     if device_type == "cpu" and not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
         return False, "no C++ compiler on the PATH (inductor needs one on CPU)"
     if device_type == "cuda":
@@ -58,4 +263,25 @@ def compile_pays(max_steps: int | None, min_steps: int, device_type: str) -> tup
             import triton  # noqa: F401
         except ImportError:
             return False, "triton is not installed (inductor needs it on CUDA)"
-    return True, f"{max_steps} steps >= runtime.compile_min_steps ({min_steps})"
+    if max_steps is None:
+        return False, "the run has no step count (train.max_steps) to win a compile back over"
+    record = record or CompileRecord()
+    if not record.warm:
+        if max_steps < min_steps:
+            return False, (f"no warm compile cache for this model shape, and {max_steps} steps is under "
+                           f"runtime.compile_min_steps ({min_steps}): a cold compile would not pay back")
+        return True, f"{max_steps} steps >= runtime.compile_min_steps ({min_steps}): a cold compile pays back"
+    cost = record.warm_cpu_s if record.warm_cpu_s is not None else min(WARM_COMPILE_CPU_S, record.cold_cpu_s)
+    warm = f"warm {cost:.0f}" if record.warm_cpu_s is not None else f"warm ~{cost:.0f} (not measured yet)"
+    figures = f"this machine: cold compile {record.cold_cpu_s:.0f} CPU-s, {warm}"
+    if record.eager_step_cpu_s is not None and record.compiled_step_cpu_s is not None:
+        saving = record.eager_step_cpu_s - record.compiled_step_cpu_s
+        figures += f", step {record.eager_step_cpu_s:.3f} eager / {record.compiled_step_cpu_s:.3f} compiled"
+        if saving <= 0:
+            return False, f"the compiled step is no faster than the eager one here ({figures})"
+        needed = max(1, math.ceil(cost / saving - 1e-9))
+    else:
+        needed = max(1, math.ceil(min_steps * cost / max(record.cold_cpu_s, cost, 1e-9)))
+    if max_steps < needed:
+        return False, f"warm cache, but {max_steps} steps is under the {needed} a warm compile needs ({figures})"
+    return True, f"warm compile cache for this model shape and {max_steps} steps >= {needed} ({figures})"

@@ -52,7 +52,14 @@ from typing import IO, Any, Callable
 from posttrain.config import ConfigError, RLRecipe, dump_recipe
 from posttrain.envs import trajectory_segments
 from posttrain.evaluate import SuiteScore
-from posttrain.models import load_model, load_tokenizer, save_model_dir
+from posttrain.models import (
+    CompileMeter,
+    compile_shape_key,
+    load_model,
+    load_tokenizer,
+    read_compile_record,
+    save_model_dir,
+)
 from posttrain.rl.advantages import (
     compute_advantages,
     episode_return,
@@ -180,12 +187,9 @@ def run_rl_on(
     vision = wants_vision(recipe.model)
     if vision and recipe.runtime.compile == "auto":  # the decoder compile is for text models
         recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(update={"compile": False})})
-    # compile "auto" decided once, here: the trainer and the engine(s) then read a plain true/false
-    recipe = recipe.model_copy(update={"runtime": resolve_compile(recipe.runtime, recipe.train.max_steps,
-                                                                  runtime.device)})
     # Policy (model.path, or a fresh built-in model: `starting_tokenizer`), engine(s) with their own copy of the
     # weights, reference (only when the KL term is on).
-    processor = renderer = None
+    processor = renderer = meter = None
     if vision:  # a vision-language policy: its processor's tokenizer everywhere
         _require_vision_support(recipe, make_backend)
         model, processor = load_vision_policy(recipe.model, None if recipe.model.path else starting_tokenizer(recipe),
@@ -193,14 +197,24 @@ def run_rl_on(
         tokenizer, renderer = processor.tokenizer, ProcessorRenderer(processor)
     else:
         tokenizer = starting_tokenizer(recipe)
-        model = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
+        model = load_model(recipe.model, tokenizer, runtime.device)
+        # compile "auto" decided once, here, from the run's length and what this machine measured for the model's
+        # shape: the trainer and the engine(s) then read a plain true/false
+        shape = compile_shape_key(model.config, runtime.precision, runtime.device.type,
+                                  lora=recipe.model.lora.enabled, checkpointing=recipe.runtime.activation_checkpointing)
+        recipe = recipe.model_copy(update={"runtime": resolve_compile(
+            recipe.runtime, recipe.train.max_steps, runtime.device, read_compile_record(shape))})
+        if make_backend is local_backend:  # (other backends compile in other processes: their CPU is not seen here)
+            meter = CompileMeter(shape, compiled=recipe.runtime.compile is True)
+        model = prepare_model(model, recipe.model, recipe.runtime)
     # The critic copies the starting policy before a backend takes the model (and perhaps shards it).
     critic = make_critic(recipe, model, tokenizer, runtime) if recipe.algorithm.advantage == "gae" else None
     learned = LearnedReward(recipe.reward_model, tokenizer, runtime.device) if recipe.reward_model else None
     backend = make_backend(recipe, runtime, tokenizer, model, **({"renderer": renderer} if renderer else {}))
     try:
         return _train(recipe, backend, runtime, tokenizer, output_dir, resume=resume, sampler=sampler, on_step=on_step,
-                      learned_reward=learned, critic=critic, processor=processor, renderer=renderer)
+                      learned_reward=learned, critic=critic, processor=processor, renderer=renderer,
+                      compile_meter=meter)
     finally:
         backend.policy.close()
         if backend.close is not None:
@@ -209,7 +223,8 @@ def run_rl_on(
 
 def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, output_dir: Path, *, resume: bool,
            sampler: TaskSampler | None, on_step, learned_reward: LearnedReward | None,
-           critic: Critic | None, processor: Any = None, renderer: ProcessorRenderer | None = None) -> RLResult:
+           critic: Critic | None, processor: Any = None, renderer: ProcessorRenderer | None = None,
+           compile_meter: CompileMeter | None = None) -> RLResult:
     sampler = sampler or Scheduler(recipe.domains, recipe.schedule, seed=recipe.runtime.seed)
     suites = regression_suites(recipe)
     run = _Run(recipe, output_dir, tokenizer, backend, sampler, RunGuard(recipe, suites), runtime,
@@ -253,6 +268,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
                 time_capped = True
                 break
             metrics, events = _iteration(run, cursor.step, evaluate, logs)
+            if compile_meter is not None:  # the first steps' CPU time: what compiling cost, and a steady step
+                compile_meter.observe(metrics["time/step_cpu_s"])
             cursor.step += 1
             cursor.train_seconds += metrics["time/step_s"]  # the time budget counts training, not evaluation
             alarms = [event for event in events if event["kind"] in ALARM_KINDS]
@@ -276,6 +293,8 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         if final:
             tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
     finally:
+        if compile_meter is not None:
+            compile_meter.close()
         run.pipeline.close()
         logs.episodes.close()
         logs.events.close()

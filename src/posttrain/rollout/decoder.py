@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from posttrain.models import use_compile_cache
+from posttrain.models import prepare_compile
 
 _SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PREFILL_CHUNK = 1024  # prompt columns per prefill pass (shorter prompts take one pass)
@@ -316,7 +316,7 @@ def _compiled_step() -> Callable[..., torch.Tensor]:
     change from step to step; one graph serves them)."""
     global _compiled_decode_step
     if _compiled_decode_step is None:
-        use_compile_cache()
+        prepare_compile()
         _compiled_decode_step = torch.compile(_decode_step, dynamic=True)
     return _compiled_decode_step
 
@@ -458,9 +458,13 @@ class DecoderRunner:
         """Append one token per row; logits [rows, vocab] for the next one."""
         caches = _DecodeCaches(self.keys, self.values, self.prompt_keys, self.prompt_values, self.grid_index,
                                self.row_bias, *self.grid, self.grid[0] * self.grid[1] == len(self.rows_prompt))
-        logits = self.step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
-                           self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches,
-                           self.dims)
+        # The first two columns, and the last rows of a batch once one prompt is left, run eagerly: torch
+        # specializes sizes 0 and 1, so each would be a compiled graph of its own (a recompile of ~9-30 CPU-s on 2
+        # cores) for a step or two in 32. (One row per prompt, as RL's episodes ask, is the usual layout: compiled.)
+        compiled = self.length >= 2 and self.grid[0] >= 2
+        step = self.step if compiled else _decode_step
+        logits = step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
+                      self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches, self.dims)
         self.positions += 1
         self.length += 1
         return logits

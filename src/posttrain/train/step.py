@@ -8,7 +8,6 @@ and `prepare_model` (LoRA, activation checkpointing, compile; `resolve_compile` 
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 from dataclasses import dataclass
 
@@ -16,10 +15,17 @@ import numpy as np
 import torch
 
 from posttrain.config import ModelConfig, RuntimeConfig
-from posttrain.models import apply_lora, autocast_dtype, compile_pays, resolve_device, use_compile_cache
+from posttrain.models import (
+    CompileRecord,
+    apply_lora,
+    autocast_dtype,
+    compile_pays,
+    prepare_compile,
+    resolve_device,
+)
+from posttrain.tracking import say
 from posttrain.train.context_parallel import recompute_context
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,12 +77,16 @@ def prepare_model(model: torch.nn.Module, model_config: ModelConfig, runtime_con
     return model
 
 
-def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device: torch.device) -> RuntimeConfig:
-    """`runtime_config` with ``compile: auto`` decided for a run of `max_steps` steps (`compile_pays`), logged."""
+def resolve_compile(runtime_config: RuntimeConfig, max_steps: int | None, device: torch.device,
+                    record: CompileRecord | None = None) -> RuntimeConfig:
+    """`runtime_config` with ``compile: auto`` decided for a run of `max_steps` steps (`compile_pays`; `record`:
+    what this machine measured for the model's shape, `posttrain.models.read_compile_record`), logged."""
     if runtime_config.compile != "auto":
         return runtime_config
-    decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type)
-    log.info("runtime.compile auto: %s (%s)", "compiling" if decision else "eager", reason)
+    precision = "bf16" if autocast_dtype(runtime_config, device) == torch.bfloat16 else "fp32"
+    decision, reason = compile_pays(max_steps, runtime_config.compile_min_steps, device.type, precision=precision,
+                                    record=record)
+    say(f"[compile] runtime.compile auto: {'compiling' if decision else 'eager'} ({reason})")
     return runtime_config.model_copy(update={"compile": decision})
 
 
@@ -97,7 +107,7 @@ def compile_decoder(model: torch.nn.Module, model_config: ModelConfig) -> None:
         set_attention(model, "eager", torch.device("cpu"))
     parts = split_head(model)
     target = parts[0] if parts is not None else model
-    use_compile_cache()
+    prepare_compile()
     target.compile(dynamic=True)
 
 
