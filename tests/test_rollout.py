@@ -90,10 +90,21 @@ def test_the_compiled_decode_step_is_not_recompiled_per_batch_shape(model, token
     engine = HFEngine(model, tokenizer, compile=True)
     texts = ("12+3=", "the quick brown fox jumps", "Answer:", "7*8=", "a b c d e f g h", "x")
     engine.generate(requests(tokenizer, texts[:4]), SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
+    # Several rows per prompt, none finishing: every prompt keeps all its rows (a size of 1 is specialized, so
+    # n > 1 is a graph of its own)
+    engine.generate(requests(tokenizer, texts[:3]), SamplingParams(max_new_tokens=12, n=3, seed=0))
     compiled = counters["stats"]["unique_graphs"]
     for count in (6, 3, 5, 2):
         engine.generate(requests(tokenizer, texts[:count]), SamplingParams(max_new_tokens=12, temperature=1.0,
                                                                            seed=count))
+    # rows that finish at different steps: the batch is compacted and the prompts' rows no longer fill their
+    # grid (a graph of its own, compiled for minutes on 2 cores, before the compiled step took one layout)
+    often, lengths = list(range(0, tokenizer.vocab_size, 8)), []
+    for count, n in ((3, 3), (5, 2)):
+        groups = engine.generate(requests(tokenizer, texts[:count]),
+                                 SamplingParams(max_new_tokens=12, n=n, seed=count, stop_token_ids=often))
+        lengths += [len(c.token_ids) for g in groups for c in g]
+    assert min(lengths) < max(lengths)
     assert counters["stats"]["unique_graphs"] == compiled
 
 

@@ -144,7 +144,8 @@ class HFEngine:
     ``num_threads`` sets torch's intra-op threads for the thread that runs `generate` (per thread in torch's
     OpenMP builds), so a rollout thread and a training thread can split the cores instead of oversubscribing.
     ``compile=True`` runs the fast decoder's decode step under torch.compile (one graph for the whole step,
-    dynamic shapes; ~40 s to compile on first use on 2 CPU cores, ~20% less time per step on tiny-3m after).
+    dynamic shapes; on a 2-core AVX2 VM in fp32, ~65 CPU-s to compile cold, ~18 from the persistent compile cache,
+    then 1.15x the eager tokens per CPU-second on tiny-3m: worth it for a long-lived engine, not for one call).
     ``speculative`` (a `Speculation`) decodes by speculative rounds: a draft model or prompt lookup proposes
     tokens, the model verifies them (same output distribution and logprobs; `posttrain.rollout.speculative`).
     """
