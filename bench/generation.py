@@ -1,6 +1,6 @@
 """Completion tokens/s of the built-in engine (`HFEngine`) against transformers' `model.generate`.
 
-    .venv/bin/python bench/generation.py [--presets tiny-3m tiny-10m] [--repeats 7] [--threads 2]
+    .venv/bin/python bench/generation.py [--presets tiny-3m tiny-10m] [--repeats 7] [--threads 2] [--compile]
 
 Same model object, same prompts (8 chat prompts), same settings: 8 samples per prompt (64 sequences), up to 64
 new tokens, temperature 1, no top-k/top-p, in fp32 and in bf16 autocast. `generate` gets
@@ -17,9 +17,14 @@ teacher-forced forward pass of the same model, in fp32 and under bf16 autocast (
 as mean and max absolute difference. ``--train-steps N`` first trains the model N steps on arithmetic chat
 samples (a random model's near-uniform distributions understate the gap; a trained model also stops early).
 
+``--compile`` also times the engine with its decode step compiled (``HFEngine(compile=True)``, not the default)
+in the same alternation, as ``compiled``: its first (warm-up) generate pays the compile, reported apart as
+``compile_cpu_s`` (this process's CPU seconds plus the C++ compiler's), so the timed runs are the steady state.
+
 Ends with exactly one JSON line: per preset and precision the medians and their ratio, the gaps, and
 ``"ratio"``: the engine at its fastest precision (bf16 autocast where the CPU has native bf16) over
-transformers' `generate` at its fastest, for the first preset. Same-precision ratios are in ``results``.
+transformers' `generate` at its fastest, for the first preset, both with their defaults (the engine eager).
+Same-precision ratios are in ``results``.
 """
 
 from __future__ import annotations
@@ -135,25 +140,36 @@ def logprob_gap(engine: HFEngine, model, prompts: list[list[int]]) -> dict:
     return summary
 
 
-def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int, train_steps: int) -> dict:
+def children_cpu_s() -> float:
+    times = os.times()  # the C++ compiler runs in child processes
+    return times.children_user + times.children_system
+
+
+def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int, train_steps: int,
+                 compiled: bool) -> dict:
     model = build_tiny_model(preset, tokenizer, seed=0)
     train(model, tokenizer, train_steps)
     model.eval()
     engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None) for p in precisions}
-    rates: dict[str, dict[str, list[float]]] = {
-        p: {"engine": [], "transformers": [], "cpu_engine": [], "cpu_transformers": []} for p in precisions
-    }
-    for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs
+    compiled_engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None, compile=True)
+                        for p in (precisions if compiled else [])}
+    sides = ["engine", "transformers"] + (["compiled"] if compiled else [])
+    rates = {p: {key: [] for side in sides for key in (side, f"cpu_{side}")} for p in precisions}
+    compile_cpu_s = {}
+    for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs (and the compile)
         run_engine(engines[precision], prompts)
         run_transformers(model, tokenizer, prompts, precision)
+        if compiled:
+            children = children_cpu_s()
+            compile_cpu_s[precision] = run_engine(compiled_engines[precision], prompts)[2] + children_cpu_s() - children
     for repeat in range(repeats):
         for precision in precisions:
-            order = ["engine", "transformers"] if repeat % 2 == 0 else ["transformers", "engine"]
-            for who in order:
-                if who == "engine":
-                    tokens, seconds, cpu = run_engine(engines[precision], prompts)
-                else:
+            for who in sides if repeat % 2 == 0 else sides[::-1]:
+                if who == "transformers":
                     tokens, seconds, cpu = run_transformers(model, tokenizer, prompts, precision)
+                else:
+                    tokens, seconds, cpu = run_engine((engines if who == "engine" else compiled_engines)[precision],
+                                                      prompts)
                 rates[precision][who].append(tokens / seconds)
                 rates[precision][f"cpu_{who}"].append(tokens / cpu)
     result = {}
@@ -169,6 +185,16 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
             "runner": engines[precision].runner,
             "logprob_gap": logprob_gap(engines[precision], model, prompts),
         }
+        if compiled:
+            cpu_compiled = statistics.median(runs["cpu_compiled"])
+            result[precision]["compiled"] = {
+                "tokens_per_s": round(statistics.median(runs["compiled"])),
+                "ratio": round(statistics.median(runs["compiled"]) / transformers, 2),
+                "cpu_tokens_per_s": round(cpu_compiled),
+                "cpu_ratio": round(cpu_compiled / statistics.median(runs["cpu_transformers"]), 2),
+                "compile_cpu_s": round(compile_cpu_s[precision], 1),
+                "logprob_gap": logprob_gap(compiled_engines[precision], model, prompts),
+            }
     return result
 
 
@@ -185,6 +211,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--train-steps", type=int, default=0, help="train the model first (see above)")
+    parser.add_argument("--compile", action="store_true", help="also time the engine's compiled decode step")
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
     if args.threads:
@@ -193,7 +220,8 @@ def main() -> None:
     prompts = make_prompts(tokenizer)
     results = {}
     for preset in args.presets:
-        results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats, args.train_steps)
+        results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats, args.train_steps,
+                                       args.compile)
         for precision, figures in results[preset].items():
             gap = figures["logprob_gap"]
             print(
@@ -203,6 +231,12 @@ def main() -> None:
                 f"ratio {figures['cpu_ratio']:.2f})   "
                 f"logprob gap vs fp32 trainer {gap['vs_trainer_fp32']}, vs bf16 trainer {gap['vs_trainer_bf16']}"
             )
+            if "compiled" in figures:
+                c = figures["compiled"]
+                print(f"{'':9s} {precision:5s} compiled {c['tokens_per_s']:>7,} tok/s   ratio {c['ratio']:.2f} "
+                      f"(CPU time: {c['cpu_tokens_per_s']:,}, ratio {c['cpu_ratio']:.2f}; the compile "
+                      f"{c['compile_cpu_s']} CPU-s)   "
+                      f"logprob gap vs fp32 trainer {c['logprob_gap']['vs_trainer_fp32']}")
     summary = {
         "bench": "generation",
         "sequences": PROMPTS * SAMPLES,
