@@ -81,6 +81,7 @@ def test_the_compiled_decode_step_samples_what_a_teacher_forced_forward_scores(m
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two graphs (one row per prompt, several): a cold compile is minutes on 2 busy cores
 def test_the_compiled_decode_step_is_not_recompiled_per_batch_shape(model, tokenizer):
     """Row counts, prompt lengths and finished rows that change from call to call, one row per prompt as RL's
     episodes ask: one graph serves them all (torch's 0/1 specialization of the first columns and its duck sizing
