@@ -86,6 +86,33 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_a_waiting_one_takes_its
     assert batcher.running == 0
 
 
+def test_a_sampled_image_placeholder_ends_the_served_reply_before_it_as_in_generate(tiny_tokenizer, prompts):
+    """A vision-language model served text-only (one that loads as a causal LM: Gemma 3, Llama 4 ...) may sample its
+    image token; fed back, its forward would take it for an image slot with no image. The batcher ends the row just
+    before it, as `HFEngine.generate` does (`rollout.stopping`)."""
+    engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    batcher = ContinuousBatcher(engine)
+    full = batcher.submit(StreamRequest(prompts[1], greedy))
+    while not full.done:
+        batcher.step()
+    (whole,) = full.completions
+    assert whole.finish_reason == "length" and len(whole.token_ids) == 6
+    placeholder = next(t for t in whole.token_ids if t != whole.token_ids[0])  # a cut inside the reply
+    engine.placeholder_ids = frozenset({placeholder})  # as if that greedy token were the image token
+    batcher = ContinuousBatcher(engine)
+    cut = batcher.submit(StreamRequest(prompts[1], greedy))
+    while not cut.done:
+        batcher.step()
+    (reply,) = cut.completions
+    at = whole.token_ids.index(placeholder)
+    assert 0 < at < 6
+    assert reply.token_ids == whole.token_ids[:at] and reply.finish_reason == "stop"
+    assert reply.logprobs == pytest.approx(whole.logprobs[:at], abs=1e-5)
+    assert reply.token_ids == _alone(engine, cut)[0].token_ids  # the offline engine cuts it the same way
+    assert batcher.running == 0
+
+
 def test_requests_it_cannot_serve_are_refused_when_submitted(tiny_tokenizer):
     engine = HFEngine(build_tiny_model("tiny-1m", tiny_tokenizer, seed=0), tiny_tokenizer)
     batcher = ContinuousBatcher(engine)

@@ -442,3 +442,38 @@ def test_served_engine_leaves_one_core_to_the_http_side_on_a_cpu():
         assert loop.run_until_complete(asyncio.sleep(0, result="ran")) == "ran"
     finally:
         loop.close()
+
+
+def test_a_vision_language_model_that_loads_as_a_causal_lm_is_served_text_only_and_ends_before_its_image_token(
+        tiny_tokenizer, tmp_path):
+    """Gemma 3 (as Llama 4, Mllama ...) loads through AutoModelForCausalLM, so `posttrain serve` serves it, on text
+    chats (image parts are a 400). Its replies end before its image token, as the engine's own do: the batcher's
+    stop rule holds the model's placeholder ids (the cut itself: test_rollout_continuous). A LLaVA-style model has
+    no causal-LM class: a one-line error naming it, not transformers' traceback."""
+    import torch
+    from test_models_vision import _gemma3, _llava
+
+    from posttrain.models import ModelError
+
+    torch.manual_seed(0)
+    model, processor, _ = _gemma3(tiny_tokenizer)
+    model.save_pretrained(tmp_path / "gemma3")
+    processor.save_pretrained(tmp_path / "gemma3")
+    backend = make_backend(tmp_path / "gemma3", precision="fp32", num_threads=1)
+    engine = backend.batcher.engine
+    assert engine.placeholder_ids == {model.config.image_token_id}
+    request = StreamRequest([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0))
+    assert backend.batcher._rows_for(request, 0)[0].rule.placeholder_ids == engine.placeholder_ids
+    with start_server(backend, "tiny-gemma3") as handle:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny-gemma3", messages=_user("What is 2 + 2?"), max_tokens=4)
+        assert reply.choices[0].finish_reason in {"stop", "length"}
+        with pytest.raises(openai.BadRequestError, match="image"):
+            client.chat.completions.create(model="tiny-gemma3", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+    llava, llava_processor, _ = _llava(tiny_tokenizer)
+    llava.save_pretrained(tmp_path / "llava")
+    llava_processor.save_pretrained(tmp_path / "llava")
+    with pytest.raises(ModelError, match="vision-language model that loads only with its processor"):
+        make_backend(tmp_path / "llava", precision="fp32", num_threads=1)

@@ -19,8 +19,8 @@ QUICK = [  # `--quick`: a few-minute smoke run of every stage (budgets in steps,
     "domains.0.demos=2000",
     "domains.0.heldout=100",
 ]
-# `--quick` for the vlm-demo: the short run of docs/multimodal.md (about 2 minutes of training on one CPU thread)
-VLM_QUICK = ["sft.steps=40", "rl.steps=10", "demos=64", "heldout=24"]
+# `--quick` for the vlm-demo: the short run of docs/multimodal.md (SFT 200 steps, RL 15; a few minutes on one thread)
+VLM_QUICK = ["sft.steps=200", "demos=800", "heldout=200", "rl.steps=15"]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from posttrain.config.common import Section
 from posttrain.config.load import recipe
@@ -12,9 +12,12 @@ class VLMSFTConfig(Section):
     steps: int = Field(60, ge=1)
     lr: float = Field(3e-3, gt=0)
     batch_size: int = Field(8, ge=1)
+    warmup_steps: int = Field(0, ge=0)
 
 
 class VLMRLConfig(Section):
+    domains: list[str] = Field(default_factory=list, description="the domains GRPO trains on (a subset of the "
+                                                                   "recipe's; empty: all of them)")
     steps: int = Field(20, ge=0)
     tasks_per_step: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
@@ -36,3 +39,10 @@ class VLMDemoRecipe(Section):
     heldout: int = Field(48, ge=1, description="held-out tasks per domain (split by hash)")
     sft: VLMSFTConfig = Field(default_factory=VLMSFTConfig)
     rl: VLMRLConfig = Field(default_factory=VLMRLConfig)
+
+    @model_validator(mode="after")
+    def _rl_domains_are_the_recipes(self) -> VLMDemoRecipe:
+        unknown = [name for name in self.rl.domains if name not in self.domains]
+        if unknown:
+            raise ValueError(f"rl.domains: {unknown} not in domains {self.domains}")
+        return self

@@ -14,6 +14,7 @@ Budgets are steps, so a seed gives the same figures on any machine (the wall tim
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 from posttrain.config import VLMDemoRecipe, load_recipe
 from posttrain.data import validate_vision_record
-from posttrain.evaluate import image_suite_json, render_report, score_image_suite
+from posttrain.evaluate import ImageSuiteScore, image_suite_json, render_report, score_image_suite
 from posttrain.models import build_tiny_vlm, train_tokenizer
 from posttrain.rl import image_engine, run_vision_grpo
 from posttrain.tasks import get_domain, sample_tasks
@@ -55,7 +56,7 @@ def run_vlm_demo(recipe: VLMDemoRecipe) -> dict:
                for t in demos]
     started = time.perf_counter()
     sft = run_vision_sft(model, processor, samples, steps=recipe.sft.steps, lr=recipe.sft.lr,
-                         batch_size=recipe.sft.batch_size, seed=recipe.seed)
+                         batch_size=recipe.sft.batch_size, seed=recipe.seed, warmup_steps=recipe.sft.warmup_steps)
     figures["sft"] = {"steps": recipe.sft.steps, "loss_first": sft.losses[0], "loss_last": sft.losses[-1],
                       "seconds": time.perf_counter() - started}
     print(f"[vlm-demo] sft: {recipe.sft.steps} steps, loss {sft.losses[0]:.3f} -> {sft.losses[-1]:.3f}", flush=True)
@@ -63,9 +64,11 @@ def run_vlm_demo(recipe: VLMDemoRecipe) -> dict:
     rl = recipe.rl
     started = time.perf_counter()
 
+    trained = [d for d in domains if not rl.domains or d.name in rl.domains]
+
     def fresh(step: int, count: int) -> list:  # new training tasks every step (seeded by the step)
-        return [t for i, d in enumerate(domains) for t in sample_tasks(
-            d, max(1, count // len(domains)), level=recipe.levels, split="train",
+        return [t for i, d in enumerate(trained) for t in sample_tasks(
+            d, max(1, count // len(trained)), level=recipe.levels, split="train",
             seed=recipe.seed * 7919 + (step + 2) * 101 + i)]
 
     grpo = run_vision_grpo(model, processor, fresh, steps=rl.steps, tasks_per_step=rl.tasks_per_step,
@@ -80,15 +83,35 @@ def run_vlm_demo(recipe: VLMDemoRecipe) -> dict:
     score("rl")
     figures["heldout"] = {label: {"pass@1": s.pass_at_1, **s.per_domain} for label, s in scores.items()}
     figures["rl_gain_over_sft"] = scores["rl"].pass_at_1 - scores["sft"].pass_at_1
+    figures["rl_gain_by_domain"] = paired_gain(scores["sft"], scores["rl"])
     results = {"title": "vlm-demo", "figures": figures,
                "images": {label: {"held-out": image_suite_json(s)} for label, s in scores.items()}}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.html").write_text(render_report(results))
     model.save_pretrained(out / "model")
     processor.save_pretrained(out / "model")
+    for name, gain in figures["rl_gain_by_domain"].items():
+        print(f"[vlm-demo] {name}: rl - sft {gain['gain']:+.1%} (standard error {gain['standard_error']:.1%}, "
+              f"{gain['items']} items: {gain['better']} better, {gain['worse']} worse)", flush=True)
     print(f"[vlm-demo] held-out pass@1: base {scores['base'].pass_at_1:.1%}, sft {scores['sft'].pass_at_1:.1%}, "
           f"rl {scores['rl'].pass_at_1:.1%} (rl - sft {figures['rl_gain_over_sft']:+.1%}); {out / 'report.html'}")
     return figures
+
+
+def paired_gain(before: ImageSuiteScore, after: ImageSuiteScore) -> dict[str, dict]:
+    """Per domain, the change in pass@1 from `before` to `after` on the same held-out items, with its standard
+    error: the items are paired, so the error is the one of the mean per-item difference (d_i in {-1, 0, 1}),
+    sqrt(var(d) / n) -- smaller than two independent pass rates' when most items keep their outcome."""
+    gains = {}
+    for name in after.per_domain:
+        outcome = {case.task_id: case.passed for case in before.cases if case.domain == name}
+        diffs = [int(case.passed) - int(outcome[case.task_id]) for case in after.cases if case.domain == name]
+        n = len(diffs)
+        mean = sum(diffs) / n
+        variance = sum((d - mean) ** 2 for d in diffs) / max(1, n - 1)
+        gains[name] = {"gain": mean, "standard_error": math.sqrt(variance / n), "items": n,
+                       "better": diffs.count(1), "worse": diffs.count(-1)}
+    return gains
 
 
 def main(argv: list[str]) -> int:

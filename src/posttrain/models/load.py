@@ -104,7 +104,13 @@ def load_model(
             raise _load_error(config.path, "model.path", "not a Hugging Face model directory", error) from None
         _require_quantizer(config.path)
         apply_rope_scaling(hf_config, config.rope_scaling)
-        model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, dtype=dtype)
+        except ValueError as error:  # no causal-LM class for this config: e.g. a LLaVA-style vision-language model
+            kind = ("a vision-language model that loads only with its processor (model.vision: true where the "
+                    "recipe takes it; `posttrain serve` serves text models)"
+                    if hasattr(hf_config, "vision_config") else "not a causal language model")
+            raise _load_error(config.path, "model.path", kind, error) from None
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(
             f"model.path: the model has {model.get_input_embeddings().num_embeddings} embeddings but the "

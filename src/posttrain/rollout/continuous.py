@@ -12,7 +12,8 @@ submitted on its own (any thread; `submit_many` queues several at once, so they 
 3. samples one token per row — each row with its own request's temperature, top-p, top-k and random stream —
    and hands the tokens to each request (`StreamRequest.drain`, plus one ``on_step`` call per step for a
    caller that waits on another thread or event loop);
-4. stops each row by its request's `StopRule`, drops the finished rows, and runs the next decode step.
+4. stops each row by its request's `StopRule` (a vision-language model's reply ends before an image placeholder
+   token, as in the engine's ``generate``), drops the finished rows, and runs the next decode step.
 
 The model maths is the engine's own runner (a second `DecoderRunner` on the same weights, so the engine's
 ``generate`` can still run beside it), and the sampling is `Sampler`'s per row: a seeded request draws from
@@ -169,7 +170,9 @@ class _Row:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.tops.append(top)
-        if token in self.rule.stop_ids:
+        if token in self.rule.placeholder_ids:  # a VLM's image token: the reply ends before it (`rollout.stopping`)
+            self.reason = "placeholder"
+        elif token in self.rule.stop_ids:
             self.reason = "token"
         elif self.rule.strings and self.rule.string_hits([self.tokens])[0]:
             self.reason = "string"
@@ -382,7 +385,8 @@ class ContinuousBatcher:
     def _rows_for(self, request: StreamRequest, version: int) -> list[_Row]:
         sampling = request.sampling
         limit = self.room(request.prompt_token_ids, sampling.max_new_tokens)
-        rule = StopRule(self.engine.tokenizer, () if request.ignore_eos else self.engine.eos_ids, sampling)
+        rule = StopRule(self.engine.tokenizer, () if request.ignore_eos else self.engine.eos_ids, sampling,
+                        self.engine.placeholder_ids)
         seed = unseeded() if sampling.seed is None else sampling.seed
         return [_Row(request, j, limit, rule, stream_seed(seed, 0, j), version) for j in range(sampling.n)]
 

@@ -186,12 +186,14 @@ def _batches(count: int, batch_size: int, steps: int, seed: int) -> list[list[in
 
 
 def run_vision_sft(model: torch.nn.Module, processor: Any, samples: Sequence[VisionSample], *, steps: int,
-                   lr: float = 3e-3, batch_size: int = 8, seed: int = 0, max_grad_norm: float = 1.0
-                   ) -> VisionTrainResult:
+                   lr: float = 3e-3, batch_size: int = 8, seed: int = 0, max_grad_norm: float = 1.0,
+                   warmup_steps: int = 0) -> VisionTrainResult:
     """`steps` AdamW steps of `vision_sft_loss` over shuffled batches of `samples`; the model trains in place.
-    Each chat goes through the processor once, before the first step."""
+    The learning rate rises linearly over `warmup_steps`, then stays at `lr`. Each chat goes through the processor
+    once, before the first step."""
     rows = _rows(processor, samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
     result = VisionTrainResult()
     model.train()
     for batch in _batches(len(samples), batch_size, steps, seed):
@@ -200,6 +202,7 @@ def run_vision_sft(model: torch.nn.Module, processor: Any, samples: Sequence[Vis
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
+        warmup.step()
         result.losses.append(float(loss.detach()))
     model.eval()
     return result
