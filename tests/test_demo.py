@@ -174,3 +174,18 @@ def test_a_fixed_seed_gives_the_same_steps_and_figures_twice(tmp_path):
     assert control["compute"]["trained_tokens"] >= compute["train_token_equivalents"] * 0.5
     # code is judged in the sandbox: its share of RL's step time is measured (wall time, a share in [0, 1])
     assert 0.0 < rl["judging"]["share"]["code"] <= rl["judging"]["share"]["all"] <= 1.0
+
+
+def test_rl_starts_from_dpo_after_it_unless_rl_from_says_sft(tmp_path):
+    from posttrain.demo.pipeline import DemoRun
+    from posttrain.demo.rl import rl_start
+
+    recipe = toy_recipe(tmp_path, "[sft, dpo, rl]")
+    run = DemoRun(recipe, tmp_path / "run", summary={"stages": {"sft": {}, "dpo": {}}})
+    for stage in ("sft", "dpo"):
+        run.model_after(stage).mkdir(parents=True)
+    assert rl_start(run) == ("dpo", run.model_after("dpo"))
+    run.recipe = toy_recipe(tmp_path, "[sft, dpo, rl]", ["rl_from=sft"])
+    assert rl_start(run) == ("sft", run.model_after("sft"))
+    with pytest.raises(ConfigError, match="rl_from"):
+        toy_recipe(tmp_path, "[sft, dpo, rl]", ["rl_from=dpo"])

@@ -87,6 +87,10 @@ class DemoRecipe(Section):
     dpo: DPORecipe = DPORecipe()
     dpo_pairs: DemoPairs = DemoPairs()
     rl: RLRecipe = RLRecipe()
+    # where `rl` starts: "latest" the newest trained model (DPO's when that stage ran, else SFT's); "sft" the SFT
+    # checkpoint even after DPO, so DPO and RL are each measured from SFT (and against the control, which always
+    # continues from SFT)
+    rl_from: Literal["latest", "sft"] = "latest"
     eval: DemoEval = DemoEval()
     # stage `distill`: the newest policy into a fresh tiny-1m, on-policy (the demo fills in the teacher, the RL
     # stage's domains and the SFT demonstrations for data_fraction)

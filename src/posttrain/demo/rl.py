@@ -1,6 +1,7 @@
 """Demo stages `rl` and `sft_control`: RL on fresh verifiable tasks, and the honest control for it.
 
-`rl` starts from the newest trained model (after DPO when that stage ran, else after SFT) and trains on
+`rl` starts from the newest trained model (after DPO when that stage ran, else after SFT; `rl_from: sft`: from
+SFT even after DPO) and trains on
 tasks generated fresh every step and scored by the domains' verifiers — no demonstrations — for
 `rl.train.max_steps` steps. Domains that measure lengths in tokens get the policy's tokenizer. `sft_control`
 continues SFT from the SFT checkpoint on the *same* demonstrations, at the learning rate SFT ended with, for the
@@ -18,6 +19,7 @@ only a safety cap (it warns when it cuts a stage short).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from posttrain.demo.base import SFT_FILE, counts_tokens
@@ -29,7 +31,7 @@ from posttrain.demo.sft import evaluate_stage
 def rl(run: DemoRun) -> dict[str, Any]:
     from posttrain.rl import run_rl
 
-    started_from, policy = run.latest_policy(("dpo", "sft"))
+    started_from, policy = rl_start(run)
     recipe = run.recipe.rl.model_copy(deep=True)
     recipe.output_dir = str(run.root / "rl")
     recipe.model.path = str(policy)
@@ -43,6 +45,11 @@ def rl(run: DemoRun) -> dict[str, Any]:
                           stopped_by=result.stopped_by, final_train_reward=round(last.get("reward/mean", 0.0), 4),
                           curriculum=result.curriculum, mix_trained=result.mix_trained,
                           compute=rl_compute(result.history), judging=judging_share(result.history))
+
+
+def rl_start(run: DemoRun) -> tuple[str, Path]:
+    """The stage RL starts from and its model: the newest of DPO and SFT, or SFT's with ``rl_from: sft``."""
+    return run.latest_policy(("sft",) if run.recipe.rl_from == "sft" else ("dpo", "sft"))
 
 
 def rl_compute(history: list[dict[str, float]]) -> dict[str, float]:
