@@ -106,10 +106,14 @@ def load_model(
         apply_rope_scaling(hf_config, config.rope_scaling)
         try:
             model = AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, dtype=dtype)
-        except ValueError as error:  # no causal-LM class for this config: e.g. a LLaVA-style vision-language model
-            kind = ("a vision-language model that loads only with its processor (model.vision: true where the "
-                    "recipe takes it; `posttrain serve` serves text models)"
-                    if hasattr(hf_config, "vision_config") else "not a causal language model")
+        except ValueError as error:
+            if "Unrecognized configuration class" not in str(error):  # transformers: no causal-LM class for it
+                kind = "could not load the model"
+            elif hasattr(hf_config, "vision_config"):  # e.g. a LLaVA-style vision-language model
+                kind = ("a vision-language model that loads only with its processor (model.vision: true where the "
+                        "recipe takes it; `posttrain serve` serves text models)")
+            else:
+                kind = "not a causal language model"
             raise _load_error(config.path, "model.path", kind, error) from None
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise ModelError(

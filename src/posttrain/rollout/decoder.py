@@ -456,19 +456,18 @@ class DecoderRunner:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; logits [rows, vocab] for the next one."""
-        caches = _DecodeCaches(self.keys, self.values, self.prompt_keys, self.prompt_values, self.grid_index,
-                               self.row_bias, *self.grid, self.grid[0] * self.grid[1] == len(self.rows_prompt))
         # The first two columns, and the last rows of a batch once one prompt is left, run eagerly: torch
         # specializes sizes 0 and 1, so each would be a compiled graph of its own (a recompile of ~9-30 CPU-s on 2
         # cores) for a step or two in 32. (One row per prompt, as RL's episodes ask, is the usual layout: compiled.)
         compiled = self.step is not _decode_step and self.length >= 2 and self.grid[0] >= 2
         step = self.step if compiled else _decode_step
-        if compiled and self.grid[1] > 1:
-            # One graph for a batch whose prompts keep all their rows and for one compacted since (the dense grid
-            # is the sparse one with the identity index): the switch cost a recompile of minutes on 2 cores in
-            # the first call that dropped finished rows. One row per prompt is always dense (and its own graph:
-            # torch specializes a size of 1).
-            caches = caches._replace(dense=False)
+        # Dense: every prompt keeps all its rows, so the grid needs no index. Compiled with several rows per prompt,
+        # the indexed layout always (the dense grid is the indexed one with the identity index): one graph before
+        # and after finished rows are dropped -- the switch cost a recompile of minutes on 2 cores. One row per
+        # prompt is always dense (and its own graph: torch specializes a size of 1).
+        dense = self.grid[0] * self.grid[1] == len(self.rows_prompt) and not (compiled and self.grid[1] > 1)
+        caches = _DecodeCaches(self.keys, self.values, self.prompt_keys, self.prompt_values, self.grid_index,
+                               self.row_bias, *self.grid, dense)
         logits = step(tokens[:, None], self.positions[:, None], self.length, self.body.embed_tokens.weight,
                       self._layer_weights(), self.final_norm, self._head(), self.cos, self.sin, caches, self.dims)
         self.positions += 1

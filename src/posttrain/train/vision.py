@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from posttrain.data import VisionSample
-from posttrain.config import dump_recipe
+from posttrain.config import OptimConfig, dump_recipe
 from posttrain.data import IGNORE_INDEX, vision_texts
 from posttrain.models import (VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, load_tokenizer, load_vision_policy,
                               multimodal_token_types, vision_inputs)
 from posttrain.train.forward import target_logprobs
+from posttrain.train.optim import build_scheduler
 from posttrain.train.preference_losses import dpo_loss
 from posttrain.train.step import Runtime, setup_runtime
 
@@ -193,7 +194,7 @@ def run_vision_sft(model: torch.nn.Module, processor: Any, samples: Sequence[Vis
     once, before the first step."""
     rows = _rows(processor, samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    warmup = build_scheduler(optimizer, OptimConfig(lr=lr, warmup_steps=warmup_steps, schedule="constant"), steps)
     result = VisionTrainResult()
     model.train()
     for batch in _batches(len(samples), batch_size, steps, seed):
