@@ -624,8 +624,9 @@ def test_rl_step_trains_every_segment_of_a_history_rewriting_agent(tmp_path, mon
 
     monkeypatch.setattr(HFEngine, "generate", recording_generate)
     monkeypatch.setattr(rl_update_module, "collate_trajectories", recording_collate)
+    # every segment must reach the trainer's batch, also of a group whose two episodes score alike (zero advantage)
     result = run_rl(RLRecipe.model_validate(rewriting_agent_recipe(tmp_path, policy_dir, runtime={
-        "precision": "fp32", "num_threads": 1})))
+        "precision": "fp32", "num_threads": 1}, algorithm={"skip_zero_advantage": False})))
 
     assert result.history[0]["rollout/sequences"] == 4.0  # two episodes, two segments each
     rows = {id(t): (t, a) for trajectories, advantages in batches for t, a in zip(trajectories, advantages)}

@@ -146,6 +146,10 @@ def test_steps_are_the_budget_and_the_time_cap_warns_when_it_cuts_a_run(policy_d
     assert full.stopped_by == "steps" and full.steps == 4
     # the step's compute, counted for the demo's compute-matched control: every sampled token, every trained one
     assert all(m["tokens/sampled"] >= m["tokens/trained"] > 0 for m in full.history)
+    # ... less the zero-advantage sequences the update skipped (a fresh policy: most groups all fail), which the
+    # step logs; nothing here is masked out, so sampled = trained + skipped
+    assert all(m["tokens/sampled"] == m["tokens/trained"] + m["train/skipped_zero_adv_tokens"] for m in full.history)
+    assert sum(m["train/skipped_zero_adv_sequences"] for m in full.history) > 0
     assert all(0.0 <= m["time/judge_s"] <= m["time/step_s"] for m in full.history)
     assert all(m["time/step_cpu_s"] > 0.0 for m in full.history)  # what the step cost, whatever else ran
     capped = recipe(policy_dir, tmp_path / "capped")

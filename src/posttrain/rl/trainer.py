@@ -15,7 +15,8 @@ One iteration (`_iteration`, the whole of it in one function):
     segments    an episode is one sequence, or several when a black-box agent rewrote its history
                 (`posttrain.envs.trajectory_segments`): each is trained on with its episode's advantage (return)
     update      the policy's optimizer step(s) (`PolicyTrainer.update` -> `rl.update.rl_update`, its settings one
-                `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for
+                `UpdateSettings` built from the recipe), plus the replay SFT loss the guard asks for; sequences
+                of zero advantage skipped where that is exact (``train/skipped_zero_adv_*``)
     weights     the new version published to the engine(s)
     guard       every N steps the suites are evaluated through `posttrain.evaluate` (`evaluate(model, version)`:
                 the same episodes and pass@1 as `posttrain eval`, infrastructure failures counted, never scored);
@@ -453,9 +454,10 @@ def _iteration(run: _Run, step: int, evaluate: EvaluateFn, logs: _Logs) -> tuple
     metrics["time/train_s"] = time.perf_counter() - started
     counts["sequences"] = len(trained)  # an agent's episode whose calls broke the transcript is several
     # Compute, in tokens through the model: every sampled sequence once (the engine), every trained one through a
-    # forward and a backward (what `sft_control` matches).
+    # forward and a backward (what `sft_control` matches) -- less those the update skipped (zero advantage).
     metrics["tokens/sampled"] = float(sum(len(t.token_ids) for t in batch.trajectories))
-    metrics["tokens/trained"] = float(sum(len(t.token_ids) for t, _ in trained))
+    metrics["tokens/trained"] = (float(sum(len(t.token_ids) for t, _ in trained))
+                                 - metrics.get("train/skipped_zero_adv_tokens", 0.0))
 
     # weights: version step + 1 to the engine(s). A stale batch is sampled from an older version: keep a copy the
     # optimizer will not touch.

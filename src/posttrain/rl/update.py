@@ -23,6 +23,19 @@ A batch may be split into `updates_per_batch` optimizer steps (PPO-style mini-ba
 mini-batch are further split into micro-batches for memory, with the loss scaled so their gradients sum
 to the mini-batch's.
 
+Sequences with an advantage of exactly 0 are left out of the forward and backward
+(`algorithm.skip_zero_advantage`, on by default; `zero_advantage_skips` says when): with A = 0 both branches of
+the clipped surrogate are 0 whatever the ratio, so such a sequence adds exactly zero to every gradient -- unless a
+term that does not go through A touches it (the KL or the entropy term: the skip is off then). The normalizers
+stay the whole mini-batch's (`token_mean`'s token count, `seq_mean`'s and `constant`'s sequence count), so the
+gradient is the same up to float summation order. A mini-batch whose every sequence is skipped still runs its
+shortest one (loss 0, zero gradients), so each parameter gets a zero gradient and the optimizer steps as it
+would have (AdamW decays the weights and its moments on a zero gradient, and skips a parameter with none).
+The step's `loss`, `pg_loss` and `clip_fraction` are unchanged (a skipped token adds 0 to each); the other
+per-token statistics (`entropy`, `ratio_*`, the `gap_*` of engine vs trainer log-probs) are over the tokens that
+went through the model. The exception: where the unskipped loss is not finite (a ratio overflowing to inf makes
+0 x inf a NaN), the skipped step is finite.
+
 The data-parallel seam is `posttrain.train.DataParallel`, the one SFT uses (`LOCAL` in one process): every rank
 sees the whole batch and computes the same normalizers, backpropagates only its share of each mini-batch (the
 gradients are summed across ranks), and the statistics are combined over the ranks, so they equal one process's.
@@ -205,16 +218,20 @@ def rl_update(
     memory.start()
     largest_micro = 0
     minis = mini_batches(trajectories, settings.updates_per_batch)
+    skipped = zero_advantage_skips(trajectories, advantages, settings.loss, model)
+    trained = [_trained_part(mini, skipped) for mini in minis]
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     proximal = None
     if settings.loss.old_policy == "proximal" and settings.updates_per_batch > 1:
         # With one update per batch the trainer's log-probs before the update are those of the loss forward.
-        proximal = _proximal_logprobs(model, trajectories, advantages, longest_first(trajectories), settings)
-    for mini in minis:
+        scored = {i for part in trained for i in part}
+        proximal = _proximal_logprobs(model, trajectories, advantages,
+                                      [i for i in longest_first(trajectories) if i in scored], settings)
+    for mini, part in zip(minis, trained):
         if not mini:
             continue
-        stats = _accumulate_gradients(model, trajectories, advantages, mini, settings, reference=reference,
+        stats = _accumulate_gradients(model, trajectories, advantages, mini, part, settings, reference=reference,
                                       proximal=proximal, parallel=parallel)
         largest_micro = max(largest_micro, int(stats.pop("micro_batch_tokens")))
         stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, settings.max_grad_norm)
@@ -222,19 +239,24 @@ def rl_update(
             totals[key] = totals.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1
     out = {key: totals[key] / counts[key] for key in totals}
+    left_out = [i for mini, part in zip(minis, trained) for i in mini if i not in part]
+    out["skipped_zero_adv_sequences"] = float(len(left_out))
+    out["skipped_zero_adv_tokens"] = float(sum(len(trajectories[i].token_ids) for i in left_out))
     out.update(memory.figures(largest_micro))  # the step's peak memory, and above its start per token
     return out
 
 
-def _accumulate_gradients(model, trajectories, advantages, mini: list[int], settings: UpdateSettings, *,
-                          reference: ReferenceFn | None, proximal: dict[int, torch.Tensor] | None,
-                          parallel: DataParallel) -> dict[str, float]:
-    """Forward/backward every micro-batch of one mini-batch; the caller takes the optimizer step."""
+def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trained: list[int],
+                          settings: UpdateSettings, *, reference: ReferenceFn | None,
+                          proximal: dict[int, torch.Tensor] | None, parallel: DataParallel) -> dict[str, float]:
+    """Forward/backward every micro-batch of the `trained` part of one mini-batch (all of it, or less the
+    sequences `zero_advantage_skips` leaves out), normalized by the whole mini-batch; the caller takes the
+    optimizer step."""
     config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
     total_tokens = sum(trajectories[i].policy_tokens for i in mini)
     sums = _MiniBatchSums()
     size = settings.micro_batch_size
-    for chunk in parallel.micro_batches(mini, size):
+    for chunk in parallel.micro_batches(trained, size):
         if not chunk:
             parallel.idle_backward(model)
             continue
@@ -288,11 +310,12 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], sett
 @dataclass
 class _MiniBatchSums:
     """What one mini-batch's micro-batches add up: the loss, token-weighted statistics (`pg_loss` is summed as
-    is: each micro-batch's share is already scaled to the mini-batch), the ratio's bounds, and the trainer's and
-    engine's log-probs of every scored token for the gap."""
+    is: each micro-batch's share is already scaled to the mini-batch) and the tokens they weigh, the ratio's
+    bounds, and the trainer's and engine's log-probs of every scored token for the gap."""
 
     loss: float = 0.0
     weighted: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0  # the scored tokens that went through the model
     ratio_max: float = float("-inf")
     ratio_min: float = float("inf")
     trainer: list[torch.Tensor] = field(default_factory=list)
@@ -302,6 +325,7 @@ class _MiniBatchSums:
     def add(self, loss: float, stats: dict[str, float], tokens: int, trainer: torch.Tensor,
             behaviour: torch.Tensor) -> None:
         self.loss += loss
+        self.tokens += tokens
         self.ratio_max = max(self.ratio_max, stats.pop("ratio_max"))
         self.ratio_min = min(self.ratio_min, stats.pop("ratio_min"))
         for key, value in stats.items():
@@ -313,7 +337,7 @@ class _MiniBatchSums:
         """Every rank's sums combined: what one process computes on the whole mini-batch."""
         device = self.trainer[0].device if self.trainer else torch.device("cpu")
         mine = (self.loss, self.weighted, self.ratio_max, self.ratio_min,
-                _joined(self.trainer).cpu(), _joined(self.behaviour).cpu())
+                _joined(self.trainer).cpu(), _joined(self.behaviour).cpu(), self.tokens)
         parts = parallel.all_gather(mine)
         weighted: dict[str, float] = {}
         for part in parts:
@@ -322,10 +346,18 @@ class _MiniBatchSums:
         return _MiniBatchSums(
             loss=sum(part[0] for part in parts), weighted=weighted, ratio_max=max(part[2] for part in parts),
             ratio_min=min(part[3] for part in parts), trainer=[part[4].to(device) for part in parts],
-            behaviour=[part[5].to(device) for part in parts], largest_micro=self.largest_micro)
+            behaviour=[part[5].to(device) for part in parts], tokens=sum(part[6] for part in parts),
+            largest_micro=self.largest_micro)
 
     def statistics(self, total_tokens: int) -> dict[str, float]:
-        out = {key: value if key == "pg_loss" else value / max(total_tokens, 1) for key, value in self.weighted.items()}
+        """Per-token means over the tokens that went through the model; `clip_fraction` over all the mini-batch's
+        (a token left out by the zero-advantage skip has A = 0, which never counts as clipped: exact either way)."""
+        def mean(key: str, value: float) -> float:
+            if key == "pg_loss":
+                return value
+            return value / max(total_tokens if key == "clip_fraction" else self.tokens, 1)
+
+        out = {key: mean(key, value) for key, value in self.weighted.items()}
         out.update(loss=self.loss, ratio_max=self.ratio_max, ratio_min=self.ratio_min, tokens=float(total_tokens),
                    micro_batch_tokens=float(self.largest_micro))
         out.update(logprob_gap_stats(_joined(self.trainer), _joined(self.behaviour)))
@@ -441,6 +473,45 @@ def _token_advantages(advantage: float | Sequence[float], count: int, task_id: s
     if per_token.numel() != count:
         raise ValueError(f"trajectory of {task_id}: {per_token.numel()} advantages for {count} policy tokens")
     return per_token
+
+
+def zero_advantage_skips(trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]],
+                         config: PolicyLossConfig, model: torch.nn.Module) -> set[int]:
+    """Indices of the sequences the update leaves out: those whose advantage is exactly 0 (every token's), when
+    nothing but the advantage-weighted surrogate reaches them. None with `skip_zero_advantage` off, with the KL
+    or the entropy term on (each has a gradient on every sequence), for a batch that mixes image and text rows
+    (the vision tower's parameters would get no gradient instead of a zero one), and for a mixture-of-experts
+    model (an expert routed to only by skipped tokens, likewise). The replay SFT loss is its own backward over
+    its own samples and is untouched."""
+    if not config.skip_zero_advantage or config.kl_coef > 0 or config.entropy_coef != 0:
+        return set()
+    if len({bool(t.image_inputs) for t in trajectories}) > 1 or _routes_to_experts(model):
+        return set()
+    return {i for i, advantage in enumerate(advantages) if _is_zero(advantage)}
+
+
+def _is_zero(advantage: float | Sequence[float]) -> bool:
+    if isinstance(advantage, (int, float)):
+        return advantage == 0.0
+    return bool((torch.as_tensor(advantage, dtype=torch.float32) == 0).all())
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _routes_to_experts(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    return any(isinstance(getattr(c, name, None), int) and getattr(c, name) > 1
+               for c in configs if c is not None for name in _EXPERT_COUNTS)
+
+
+def _trained_part(mini: list[int], skipped: set[int]) -> list[int]:
+    """The sequences of a mini-batch that go through the model. With every one skipped the shortest (mini-batches
+    are longest first) still does: its loss is 0 and its gradients zeros, and the optimizer then steps as without
+    the skip -- AdamW decays the weights and its moments on a zero gradient but leaves a parameter without one."""
+    kept = [i for i in mini if i not in skipped]
+    return kept or mini[-1:]
 
 
 def longest_first(trajectories: Sequence[Trajectory]) -> list[int]:
