@@ -130,6 +130,16 @@ def test_rl_s_guard_watches_the_domains_only_sft_trained_on_items_of_their_own(t
     assert guard_suites(run, recipe.rl) == []
 
 
+def test_the_control_s_compute_counts_the_guard_s_replayed_demonstrations():
+    from posttrain.demo.rl import control_steps, rl_compute
+
+    history = [{"tokens/sampled": 600.0, "tokens/trained": 100.0},
+               {"tokens/sampled": 300.0, "tokens/trained": 50.0, "guard/replay_tokens": 40.0}]
+    # sampled: a forward (2N) each; trained, the replayed demonstrations too: forward and backward (6N) each
+    assert rl_compute(history) == {"sampled_tokens": 900, "trained_tokens": 190, "train_token_equivalents": 490}
+    assert control_steps(490, 100.0) == 5
+
+
 def code_recipe(tmp_path, name: str, extra: list[str] | None = None) -> DemoRecipe:
     """A toy demo with the code domain (sandboxed function cases) and fractions (the math verifier)."""
     path = tmp_path / f"{name}.yaml"
