@@ -112,7 +112,7 @@ def write_guard_items(run: DemoRun, rl_domains: Collection[str], tokenizer: str 
     """The RL forgetting guard's items (data/guard_<domain>.jsonl) for every domain SFT trained and RL does not
     (`rl_domains`): `guard_items` of the domain's held-out split at its `heldout_levels`, sharing no problem
     (`problem_key`) with the test and validation files on disk -- fewer where the split runs out (fractions' level
-    1 has ~155 held-out problems, 130 of them test and validation). Drawn when RL starts, from the files, so a run
+    1 has 224 held-out problems, 130 of them test and validation). Drawn when RL starts, from the files, so a run
     whose data came before this draw gets them too; `tokenizer` to the domains that count tokens. {domain: path}
     of the files with at least one item."""
     recipe = run.recipe
@@ -125,7 +125,7 @@ def write_guard_items(run: DemoRun, rl_domains: Collection[str], tokenizer: str 
         args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
         tasks = sample_tasks(get_domain(spec.name, **args), recipe.guard_items, level=spec.heldout_levels,
                              split="heldout", seed=recipe.seed + 200 + index, exclude=used, fewer_ok=True,
-                             max_tries_per_task=5000)  # a nearly spent split: look longer for its last problems
+                             max_tries_per_task=5000)  # most held-out draws now miss: look longer
         if tasks:
             paths[spec.name] = run.data_dir / guard_file(spec.name)
             write_jsonl(paths[spec.name], (task.to_dict() for task in tasks))
