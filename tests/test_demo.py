@@ -93,6 +93,53 @@ def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
     assert again == summary
 
 
+def test_rl_s_guard_watches_the_domains_only_sft_trained_on_items_of_their_own(tmp_path):
+    from posttrain.demo.pipeline import DemoRun
+    from posttrain.demo.rl import guard_suites
+    from posttrain.tasks import split_of
+
+    # RL trains calculator only: arithmetic, which SFT trained, is what the guard must watch
+    recipe = toy_recipe(tmp_path, "[sft, rl]", ["guard_items=25", "rl.train.eval_every=1",
+                                                 "rl.domains=[{name: calculator, levels: [1], heldout: 0}]"])
+    summary = run_demo(recipe)
+    data = tmp_path / "run" / "data"
+    assert sorted(p.name for p in data.glob("guard_*.jsonl")) == ["guard_arithmetic.jsonl"]
+    guard = read_jsonl(data / "guard_arithmetic.jsonl")
+    keys = {t["metadata"]["problem_key"] for t in guard}
+    assert len(guard) == 25 == len(keys) and {t["difficulty"] for t in guard} == {2, 3}  # its heldout_levels
+    assert all(split_of(key) == "heldout" for key in keys)
+    for name in ("heldout", "validation"):  # never a test or validation problem
+        used = {t["metadata"]["problem_key"] for t in read_jsonl(data / f"{name}_arithmetic.jsonl")}
+        assert used and not keys & used, name
+    figures = summary["stages"]["rl"]["guard"]
+    assert figures["items"] == {"arithmetic": 25}
+    # the baseline, after steps 1 and 2, and the final evaluation, each with its pass rate and seconds
+    assert [(e["step"], e["final"]) for e in figures["evaluations"]] == [(0, False), (1, False), (2, False),
+                                                                         (2, True)]
+    assert all(0.0 <= e["pass_rate"]["arithmetic"] <= 1.0 and e["seconds"] > 0 for e in figures["evaluations"])
+    assert figures["eval_seconds"] > 0 and figures["replay_tokens"] >= 0
+
+    run = DemoRun(recipe, tmp_path / "run")
+    rl = recipe.rl.model_copy(deep=True)
+    [suite] = guard_suites(run, rl)  # replays arithmetic at the levels SFT demonstrated, with its generator's args
+    assert (suite.name, suite.domain, suite.levels, suite.args) == ("arithmetic", "arithmetic", [1, 2, 3],
+                                                                    {"operators": "+"})
+    rl.domains = toy_recipe(tmp_path, "[]").rl.domains  # RL trains every domain SFT did: nothing to watch
+    assert guard_suites(run, rl) == []
+    run.recipe = toy_recipe(tmp_path, "[]", ["guard_items=0"])  # 0: off
+    assert guard_suites(run, recipe.rl) == []
+
+
+def test_the_control_s_compute_counts_the_guard_s_replayed_demonstrations():
+    from posttrain.demo.rl import control_steps, rl_compute
+
+    history = [{"tokens/sampled": 600.0, "tokens/trained": 100.0},
+               {"tokens/sampled": 300.0, "tokens/trained": 50.0, "guard/replay_tokens": 40.0}]
+    # sampled: a forward (2N) each; trained, the replayed demonstrations too: forward and backward (6N) each
+    assert rl_compute(history) == {"sampled_tokens": 900, "trained_tokens": 190, "train_token_equivalents": 490}
+    assert control_steps(490, 100.0) == 5
+
+
 def code_recipe(tmp_path, name: str, extra: list[str] | None = None) -> DemoRecipe:
     """A toy demo with the code domain (sandboxed function cases) and fractions (the math verifier)."""
     path = tmp_path / f"{name}.yaml"

@@ -118,9 +118,11 @@ def test_one_regression_suite_schema_for_eval_and_the_guard(tmp_path, suite_file
     assert from_file.kind == "regression" and len(from_file.tasks) == 5
     drawn = regression_suite(RegressionSuite(name="sums", domain="arithmetic", levels=[2]), seed=3)
     assert len(drawn.tasks) == 50 and all(task.domain == "arithmetic" for task in drawn.tasks)
-    with pytest.raises(ValueError, match="exactly one of path"):
-        RegressionSuite(name="both", path=str(suite_file), domain="arithmetic")
-    with pytest.raises(ValueError, match="exactly one of path"):
+    # both: the file's items, and the domain only for what the RL guard replays (the demo's guard items)
+    both = RegressionSuite(name="both", path=str(suite_file), domain="arithmetic", levels=[1, 2])
+    assert both.items is None and [t.id for t in regression_suite(both, seed=3).tasks] == [
+        t.id for t in regression_suite(RegressionSuite(name="past", path=str(suite_file))).tasks]
+    with pytest.raises(ValueError, match="set path .* or domain"):
         RegressionSuite(name="neither")
     guard_suite = RLRecipe.model_validate(
         {"schedule": {"guard": {"suites": [{"name": "sums", "domain": "arithmetic"}]}}})

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.config.rl import RLRecipe
+from posttrain.evaluate import SuiteScore
 from posttrain.rl.trainer import run_rl
 from posttrain.tasks import domain, split_of
 from posttrain.tasks.base import demo_sample, task_id
@@ -169,6 +170,63 @@ def test_forced_regression_boosts_the_domain_and_mixes_in_replay(policy_dir, tmp
     logged = [json.loads(line) for line in (tmp_path / "threaded" / "schedule_events.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in logged] == ["regression"]
     assert figures(run("inline", False)) == figures(result)
+
+
+def test_a_regression_outside_the_mix_replays_that_domain_and_boosts_nothing(policy_dir, tmp_path):
+    # RL trains only domain a; the guard watches b from a file of its held-out items (as the demo's guard items
+    # do for the domains SFT trained and RL does not), with b's generator named for the replay.
+    from posttrain.rl.guarding import RunGuard, regression_suites
+    from posttrain.tasks import get_domain, sample_tasks
+
+    items = sample_tasks(get_domain("sched_e2e_b"), 6, level=1, split="heldout", seed=5)
+    suite_file = tmp_path / "guard_b.jsonl"
+    suite_file.write_text("".join(json.dumps(task.to_dict()) + "\n" for task in items))
+
+    def break_b(step, metrics):
+        if step == 1:
+            BROKEN.add("sched_e2e_b")
+
+    def config(name, action):
+        return recipe(policy_dir, tmp_path / name, domains=[{"name": "sched_e2e_a", "heldout": 0}],
+                      train={"max_steps": 4, "eval_every": 2, "save_every": None},
+                      schedule={"dynamic_sampling": {"mode": "keep"},
+                                "guard": {"threshold": 0.1, "recover": 0.05, "replay_samples": 4, "replay_coef": 0.5,
+                                          "action": action,
+                                          "suites": [{"name": "b_items", "path": str(suite_file),
+                                                      "domain": "sched_e2e_b", "levels": [1, 2]}]}})
+
+    try:
+        result = run_rl(config("both", "both"), on_step=break_b)
+    finally:
+        BROKEN.clear()
+    regressions = [e for e in result.events if e["kind"] == "regression"]
+    assert [(e["suite"], e["step"], e["value"], e["domain"]) for e in regressions] == [("b_items", 2, 0.0, None)]
+    assert regressions[0]["actions"] == ["replay SFT"]  # b has no share in the mix to boost
+    history = {int(m["policy/version"]): m for m in result.history}  # version = step - 1
+    assert "guard/replay_samples" not in history[1] and history[2]["guard/replay_samples"] == 4
+    assert history[2]["guard/replay_loss"] > 0 and history[2]["guard/replay_tokens"] > 0
+    assert not any(k.startswith("mix/target/sched_e2e_b") for m in result.history for k in m)
+    # every evaluation is recorded with its cost: the baseline, steps 2 and 4, and the final one
+    assert [(e["step"], e.get("final", 0.0)) for e in result.evaluations] == [(0, 0.0), (2, 0.0), (4, 0.0), (4, 1.0)]
+    assert [e["regression/b_items"] for e in result.evaluations] == [1.0, 0.0, 0.0, 0.0]
+    assert all(e["seconds"] > 0 for e in result.evaluations)
+
+    # The demonstrations replayed are b's (train split, at the suite's levels), not the file's items or a's.
+    guard_config = config("unit", "both")
+    guard = RunGuard(guard_config, regression_suites(guard_config))
+    guard.after_eval(0, {"b_items": SuiteScore(pass_rate=1.0, episodes=6, infra_failures=0)})
+    guard.after_eval(2, {"b_items": SuiteScore(pass_rate=0.0, episodes=6, infra_failures=0)})
+    replayed = guard.replay_batch(2)
+    assert len(replayed) == 4 and {sample.metadata.domain for sample in replayed} == {"sched_e2e_b"}
+    assert all(split_of(sample.messages[0]["content"]) == "train" for sample in replayed)
+    assert not {sample.messages[0]["content"] for sample in replayed} & {t.metadata["problem_key"] for t in items}
+    # `weight` alone cannot help a domain outside the mix: the regression is logged, nothing replayed or boosted
+    weight_only = config("weight", "weight")
+    guard = RunGuard(weight_only, regression_suites(weight_only))
+    guard.after_eval(0, {"b_items": SuiteScore(pass_rate=1.0, episodes=6, infra_failures=0)})
+    assert guard.after_eval(2, {"b_items": SuiteScore(pass_rate=0.0, episodes=6, infra_failures=0)})[0][
+        "actions"] == ["log"]
+    assert guard.replay_batch(2) == [] and guard.forgetting.boosted_domains() == []
 
 
 def test_an_alarm_rolls_back_to_the_last_good_checkpoint_and_lowers_the_lr(policy_dir, tmp_path, capsys):

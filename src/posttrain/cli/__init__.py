@@ -33,7 +33,8 @@ STAGES: dict[str, tuple[str, str]] = {
              "posttrain.cli.stages:evaluate"),
     "data": ("the data flywheel: `data pairs` / `data sft` from verified episodes (a run's episodes.jsonl)",
              "posttrain.cli.stages:data"),
-    "demo": ("the whole pipeline on the built-in tiny model (CPU, minutes)", "posttrain.cli.demo:main"),
+    "demo": ("the whole pipeline on the built-in tiny model (CPU: over an hour on 2 fp32 cores; --quick ~20 minutes)",
+             "posttrain.cli.demo:main"),
     "validate": ("check a recipe without training: schema, model and tokenizer, data counts, one rendered "
                  "sample with its loss mask, estimated steps and tokens", "posttrain.cli.validate:main"),
     "recipes": ("list, print or copy (--copy DEST) the packaged example recipes", "posttrain.cli.stages:recipes"),
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--output", default=None, help="run directory (default: the recipe's output_dir, "
                              "runs/demo for the demo)")
             sub.add_argument("--resume", action="store_true", help="skip finished stages, resume the running one")
-            sub.add_argument("--quick", action="store_true", help="a few-minute smoke run (smaller budgets)")
+            sub.add_argument("--quick", action="store_true", help="a shorter smoke run of every stage (smaller "
+                             "budgets): the demo's took ~20 minutes on a 2-core CPU in fp32, less with bf16; the "
+                             "vlm-demo's a few minutes")
             sub.add_argument("overrides", nargs="*", help="demo recipe overrides, key.path=value")
         elif name == "data":
             sub.add_argument("action", choices=["pairs", "sft"], help="pairs: preference pairs; sft: SFT samples")

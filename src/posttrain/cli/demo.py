@@ -12,7 +12,7 @@ import yaml
 
 from posttrain.config import ConfigError, DemoRecipe, VLMDemoRecipe, load_recipe
 
-QUICK = [  # `--quick`: a few-minute smoke run of every stage (budgets in steps, like the full demo)
+QUICK = [  # `--quick`: a smoke run of every stage (budgets in steps, like the full demo): ~20 min on 2 cores, fp32
     "sft.train.epochs=2",
     "rl.train.max_steps=20",  # and so the continued-SFT control, which matches RL's compute
     "distill.train.max_steps=20",

@@ -91,6 +91,10 @@ class DemoRecipe(Section):
     # checkpoint even after DPO, so DPO and RL are each measured from SFT (and against the control, which always
     # continues from SFT)
     rl_from: Literal["latest", "sft"] = "latest"
+    # the RL stage's forgetting guard watches, per domain SFT trained and RL does not, this many held-out items
+    # drawn apart from the test and validation sets (fewer where the split runs out); a regression replays that
+    # domain's demonstrations (docs/demo.md). 0: no such suites
+    guard_items: int = Field(30, ge=0)
     eval: DemoEval = DemoEval()
     # stage `distill`: the newest policy into a fresh tiny-1m, on-policy (the demo fills in the teacher, the RL
     # stage's domains and the SFT demonstrations for data_fraction)

@@ -63,29 +63,32 @@ class DatasetSuite(Section):
 class RegressionSuite(Section):
     """A regression suite, for the eval recipe (``suites.regression``) and the RL forgetting guard
     (``schedule.guard.suites``) alike: either a fixed set of tasks (`path`: JSONL of ``Task.to_dict()``) or
-    held-out items drawn from a domain the run need not train on (`domain`, `args`, `levels`).
+    held-out items drawn from a domain the run need not train on (`domain`, `args`, `levels`). With both, the
+    items are the file's and the domain (`args`, `levels`) is only what the RL guard replays demonstrations of
+    when the suite regresses (the demo's guard items: drawn apart from its test and validation sets).
 
     The eval recipe flags a pass rate below `min_pass_rate`; the guard watches the suite against its own best."""
 
     name: str
     path: str | None = None
-    domain: str | None = None  # a registered domain (posttrain.tasks): `count` of its held-out items
+    # a registered domain (posttrain.tasks): `count` of its held-out items; with `path`, only the replay's domain
+    domain: str | None = None
     args: dict[str, Any] = {}  # keyword arguments of the domain's generator
-    levels: list[int] = [1]
+    levels: list[int] = [1]  # levels drawn (and replayed by the RL guard); with `path`, replayed only
     count: int | None = Field(None, gt=0)  # a domain: items drawn (default 50); a path: the first `count` (all)
     min_pass_rate: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.path is None) == (self.domain is None):
-            raise ValueError(f"regression suite '{self.name}': set exactly one of path (a JSONL of tasks) "
-                             "or domain (held-out items drawn from it)")
+        if self.path is None and self.domain is None:
+            raise ValueError(f"regression suite '{self.name}': set path (a JSONL of tasks) or domain (held-out "
+                             "items drawn from it), or both (the file's items, the domain's demonstrations replayed)")
         return self
 
     @property
     def items(self) -> int | None:
-        """How many tasks: `count`, or for a domain 50 by default (None: every task of the file)."""
-        return self.count if self.count is not None or self.domain is None else 50
+        """How many tasks: `count`, or for a drawn domain 50 by default (None: every task of the file)."""
+        return self.count if self.count is not None or self.path is not None else 50
 
 
 class EvalSuites(Section):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from posttrain.data import SFTSample
 from posttrain.demo.pipeline import DemoRun, demo_stage
@@ -30,6 +30,10 @@ def heldout_file(domain: str) -> str:
 
 def validation_file(domain: str) -> str:
     return f"validation_{domain}.jsonl"
+
+
+def guard_file(domain: str) -> str:
+    return f"guard_{domain}.jsonl"
 
 
 @demo_stage("base")
@@ -104,13 +108,41 @@ def load_validation(run: DemoRun) -> list[Task]:
     return _load_tasks(run, validation_file)
 
 
+def write_guard_items(run: DemoRun, rl_domains: Collection[str], tokenizer: str | None = None) -> dict[str, Path]:
+    """The RL forgetting guard's items (data/guard_<domain>.jsonl) for every domain SFT trained and RL does not
+    (`rl_domains`): `guard_items` of the domain's held-out split at its `heldout_levels`, sharing no problem
+    (`problem_key`) with the test and validation files on disk -- fewer where the split runs out (fractions' level
+    1 has 224 held-out problems, 130 of them test and validation). Drawn when RL starts, from the files, so a run
+    whose data came before this draw gets them too; `tokenizer` to the domains that count tokens. {domain: path}
+    of the files with at least one item."""
+    recipe = run.recipe
+    paths: dict[str, Path] = {}
+    for index, spec in enumerate(recipe.domains):
+        if not recipe.guard_items or spec.demo_count == 0 or spec.name in rl_domains:
+            continue
+        used = {task.metadata["problem_key"] for name in (heldout_file, validation_file)
+                for task in _read_tasks(run.data_dir / name(spec.name))}
+        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
+        tasks = sample_tasks(get_domain(spec.name, **args), recipe.guard_items, level=spec.heldout_levels,
+                             split="heldout", seed=recipe.seed + 200 + index, exclude=used, fewer_ok=True,
+                             max_tries_per_task=5000)  # most held-out draws now miss: look longer
+        if tasks:
+            paths[spec.name] = run.data_dir / guard_file(spec.name)
+            write_jsonl(paths[spec.name], (task.to_dict() for task in tasks))
+    return paths
+
+
 def _load_tasks(run: DemoRun, name) -> list[Task]:
     tasks: list[Task] = []
     for spec in run.recipe.domains:
-        path = run.data_dir / name(spec.name)
-        if path.is_file():
-            tasks += [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        tasks += _read_tasks(run.data_dir / name(spec.name))
     return tasks
+
+
+def _read_tasks(path: Path) -> list[Task]:
+    if not path.is_file():
+        return []
+    return [Task.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:

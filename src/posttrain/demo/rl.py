@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from posttrain.demo.base import SFT_FILE, counts_tokens
+from posttrain.demo.base import SFT_FILE, counts_tokens, write_guard_items
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 
@@ -39,12 +39,51 @@ def rl(run: DemoRun) -> dict[str, Any]:
     for spec in recipe.domains:  # long-context domains measure their lengths in the policy's own tokens
         if counts_tokens(spec):
             spec.args = {**spec.args, "tokenizer": str(policy)}
+    watched = guard_suites(run, recipe, tokenizer=str(policy))
+    recipe.schedule.guard.suites = [*recipe.schedule.guard.suites, *watched]
     result = run_rl(recipe, resume=run.resume)
     last = result.history[-1] if result.history else {}
     return evaluate_stage(run, result.final_dir, seconds=result.seconds, steps=result.steps, started_from=started_from,
                           stopped_by=result.stopped_by, final_train_reward=round(last.get("reward/mean", 0.0), 4),
                           curriculum=result.curriculum, mix_trained=result.mix_trained,
-                          compute=rl_compute(result.history), judging=judging_share(result.history))
+                          compute=rl_compute(result.history), judging=judging_share(result.history),
+                          **({"guard": guard_figures(result, watched)} if watched else {}))
+
+
+def guard_suites(run: DemoRun, recipe, tokenizer: str | None = None) -> list:
+    """The forgetting guard's suites for the domains SFT trained and RL (`recipe`) does not: each domain's guard
+    items (`demo.base.write_guard_items`), named by the domain, replaying demonstrations at the levels SFT's
+    demonstrations had. Those domains are outside RL's mix, so a regression replays (``action: replay`` or
+    ``both``) and boosts nothing: there is no share to boost (``action: weight`` only logs it)."""
+    from posttrain.config import RegressionSuite
+
+    taken = {suite.name for suite in recipe.schedule.guard.suites}
+    specs = {spec.name: spec for spec in run.recipe.domains}
+    suites = []
+    for name, path in write_guard_items(run, {spec.name for spec in recipe.domains}, tokenizer).items():
+        if name in taken:  # the recipe's own suite of that name wins
+            continue
+        spec = specs[name]
+        levels = sorted({*spec.sft_levels, *(level for level, count in spec.level_demos.items() if count)})
+        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
+        suites.append(RegressionSuite(name=name, path=str(path), domain=name, args=args, levels=levels))
+    return suites
+
+
+def guard_figures(result, suites: list) -> dict[str, Any]:
+    """What the guard saw of the demo's suites: items per suite, every evaluation's pass rates (baseline, every N
+    steps, final) with its seconds, the regression and recovery events, and the demonstrations it replayed."""
+    names = [suite.name for suite in suites]
+    counts = {suite.name: sum(1 for line in Path(suite.path).read_text().splitlines() if line.strip())
+              for suite in suites}
+    evaluations = [{"step": int(e["step"]), "seconds": round(e["seconds"], 1), "final": bool(e.get("final")),
+                    "pass_rate": {name: e[f"regression/{name}"] for name in names if f"regression/{name}" in e}}
+                   for e in result.evaluations]
+    return {"items": counts, "evaluations": evaluations,
+            "eval_seconds": round(sum(e["seconds"] for e in result.evaluations), 1),
+            "events": [e for e in result.events if e.get("suite") in names],
+            "replay_samples": int(sum(m.get("guard/replay_samples", 0.0) for m in result.history)),
+            "replay_tokens": int(sum(m.get("guard/replay_tokens", 0.0) for m in result.history))}
 
 
 def rl_start(run: DemoRun) -> tuple[str, Path]:

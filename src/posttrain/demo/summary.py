@@ -40,3 +40,18 @@ def print_details(summary: dict[str, Any]) -> None:
         shares = ", ".join(f"{name} {share:.1%}" for name, share in sorted(rl["judging"]["share"].items()))
         say(f"[demo] rl: share of the step time spent judging (wall, concurrent judgements once): {shares}"
             f" of {rl['judging']['step_seconds']:.0f} s")
+    if rl.get("guard"):
+        _print_guard(rl["guard"])
+
+
+def _print_guard(guard: dict[str, Any]) -> None:
+    """What RL's forgetting guard watched (the domains only SFT trained): first and last pass rate per domain,
+    its regressions and what they cost."""
+    evaluations = guard["evaluations"]
+    first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
+    watched = ", ".join(f"{name} ({count} items) {first.get(name, 0):.0%} -> {last.get(name, 0):.0%}"
+                        for name, count in guard["items"].items())
+    regressions = [f"{e['suite']} at step {e['step']}" for e in guard["events"] if e["kind"] == "regression"]
+    say(f"[demo] rl forgetting guard: {watched}; regressions: {', '.join(regressions) or 'none'}; "
+        f"{guard['replay_samples']} demonstrations replayed; {len(evaluations)} evaluations, "
+        f"{guard['eval_seconds']:.0f} s")

@@ -116,9 +116,9 @@ def dataset_suite(spec: DatasetSuite) -> Suite:
 
 
 def regression_suite(spec: RegressionSuite, seed: int = 0) -> Suite:
-    """The tasks of a regression suite: the lines of its JSONL file, or `spec.items` held-out items of its domain
-    drawn with `seed` (the RL guard's general suites)."""
-    if spec.domain is not None:
+    """The tasks of a regression suite: the lines of its JSONL file (its `domain`, if set too, is only what the RL
+    guard replays), or `spec.items` held-out items of its domain drawn with `seed` (the RL guard's general suites)."""
+    if spec.path is None:
         try:
             tasks = sample_tasks(get_domain(spec.domain, **spec.args), spec.items, level=list(spec.levels),
                                  split="heldout", seed=seed)

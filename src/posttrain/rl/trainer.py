@@ -122,6 +122,8 @@ class RLResult:
     mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
     events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
     infra_failures: dict[str, int] = field(default_factory=dict)  # per suite at the final evaluation, never scored
+    # every evaluation of the suites this process ran (baseline, every N steps, final): step, seconds and figures
+    evaluations: list[dict[str, float]] = field(default_factory=list)
     stopped_by: str = ""  # "steps" (train.max_steps), "time_cap" (train.max_minutes: warned) or "on_step"
 
 
@@ -148,6 +150,7 @@ class _Run:
     learned_reward: LearnedReward | None = None  # the recipe's `reward_model:` section
     process_model: ProcessRewardModel | None = None  # the recipe's `process_reward_model:` section
     critic: Critic | None = None  # algorithm.advantage: gae
+    evaluations: list[dict[str, float]] = field(default_factory=list)  # RLResult.evaluations
 
     @property
     def policy(self) -> PolicyTrainer:
@@ -290,9 +293,12 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
                                    merge_lora=recipe.model.lora.merge_on_save)
         if run.critic is not None:
             run.critic.save(output_dir / "critic")
+        began = time.perf_counter()
         final = evaluate(policy.full_model(), cursor.step) if suites else {}
         if final:
             tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
+            run.evaluations.append({"step": cursor.step, "seconds": time.perf_counter() - began, "final": 1.0,
+                                    **eval_metrics_of(recipe, final)})
     finally:
         if compile_meter is not None:
             compile_meter.close()
@@ -324,6 +330,7 @@ def _start_pipeline(run: _Run, cursor: _Cursor, pending: list[RolloutBatch]) -> 
 def _evaluate(run: _Run, evaluate: EvaluateFn, step: int, events_log
               ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Evaluate the suites, feed the guard, and hand its boosts to the sampler from a fixed batch index on."""
+    began = time.perf_counter()
     scores = evaluate(run.policy.full_model(), step)
     before = run.guard.forgetting.boosted_domains()
     events = _report_events(run.guard.after_eval(step, scores), events_log)
@@ -333,6 +340,8 @@ def _evaluate(run: _Run, evaluate: EvaluateFn, step: int, events_log
         run.sampler.boost_domains(boosted, step + run.recipe.pipeline.max_staleness + 1)
     metrics = eval_metrics_of(run.recipe, scores)
     metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
+    metrics["time/eval_s"] = time.perf_counter() - began  # wall time, apart from the step's time/step_s
+    run.evaluations.append({"step": step, "seconds": metrics["time/eval_s"], **metrics})
     return metrics, events
 
 
@@ -401,6 +410,7 @@ def _result(run: _Run, cursor: _Cursor, final_dir: Path, final: dict[str, SuiteS
         mix_sampled=per_domain("mix/sampled"), mix_trained=per_domain("mix/trained"),
         events=[dict(e) for e in run.guard.events],
         infra_failures={name: score.infra_failures for name, score in final.items()},
+        evaluations=[dict(e) for e in run.evaluations],
     )
 
 

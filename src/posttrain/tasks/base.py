@@ -13,7 +13,7 @@ import hashlib
 import inspect
 import json
 import random
-from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Collection, Iterable, Iterator, Protocol, runtime_checkable
 
 from posttrain.data import DataError, SFTSample, SampleMetadata, read_records
 from posttrain.types import Message, PosttrainError, Task
@@ -107,11 +107,15 @@ def sample_tasks(
     heldout_fraction: float = 0.1,
     unique: bool = True,
     max_tries_per_task: int = 200,
+    exclude: Collection[str] = (),
+    fewer_ok: bool = False,
 ) -> list[Task]:
     """`count` tasks of `split` at `level` (or cycling over several levels), deterministic in `seed`.
 
     A level that runs out of distinct problems (level 1 of arithmetic has only 100) stops being drawn from
-    once `max_tries_per_task` draws in a row fail, and the other levels fill the rest.
+    once `max_tries_per_task` draws in a row fail, and the other levels fill the rest. Problems whose
+    `problem_key` is in `exclude` (a test set's, say) are never drawn. When every level has run out it is an
+    error, or with `fewer_ok` the tasks drawn so far (fewer than `count`).
     """
     if split not in SPLITS:
         raise TaskError(f"split must be one of {SPLITS}, got {split!r}")
@@ -127,6 +131,8 @@ def sample_tasks(
     while len(tasks) < count:
         open_levels = [lvl for lvl in levels if misses[lvl] < max_tries_per_task]
         if not open_levels:
+            if fewer_ok:
+                break
             raise TaskError(
                 f"domain '{source.name}': could only draw {len(tasks)} of {count} distinct {split} tasks at "
                 f"levels {levels} (the levels have too few problems)"
@@ -134,7 +140,7 @@ def sample_tasks(
         lvl = open_levels[turn % len(open_levels)]
         task = source.make_task(rng, lvl)
         key = task.metadata["problem_key"]
-        if split_of(key, heldout_fraction) != split or (unique and key in seen):
+        if split_of(key, heldout_fraction) != split or (unique and key in seen) or key in exclude:
             misses[lvl] += 1
             continue
         misses[lvl] = 0
