@@ -88,7 +88,7 @@ from posttrain.rl.update import PolicyTrainer
 from posttrain.rl.vision import ProcessorRenderer, load_vision_policy, wants_vision
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import TaskError, get_domain, sample_tasks
-from posttrain.tracking import Tracker, say
+from posttrain.tracking import Tracker, read_metrics, say
 from posttrain.train import (
     Runtime,
     find_checkpoint,
@@ -255,7 +255,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
     evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime, renderer=run.renderer)
-    history: list[dict[str, float]] = []
+    history = _steps_before(output_dir, cursor.step) if checkpoint is not None else []
     logs = _Logs(open(output_dir / EPISODES_FILE, "a", encoding="utf-8"),
                  open(output_dir / EVENTS_FILE, "a", encoding="utf-8"))
     if checkpoint is None and run.guard.wants_baseline():
@@ -367,6 +367,14 @@ def _scale_lr(run: _Run) -> None:
     run.policy.set_lr_scale(run.guard.lr_scale)
     if run.critic is not None:
         run.critic.set_lr_scale(run.guard.lr_scale)
+
+
+def _steps_before(output_dir: Path, step: int) -> list[dict[str, float]]:
+    """A resumed run's history up to its checkpoint's `step`: the step records of metrics.jsonl (a step the
+    crashed process ran past the checkpoint is re-run and logged again; `read_metrics` keeps the last), so a
+    resumed run's result -- the demo's compute count, its judging share -- covers the whole run."""
+    return [{k: v for k, v in record.items() if k != "time"} for record in read_metrics(output_dir / "metrics.jsonl")
+            if "time/step_s" in record and 0 < record.get("step", 0) <= step]
 
 
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
