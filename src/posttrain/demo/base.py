@@ -70,8 +70,7 @@ def _draw(recipe, tokenizer=None) -> tuple[list[SFTSample], dict[str, list[Task]
     heldout: dict[str, list[Task]] = {}
     validations: dict[str, list[Task]] = {}
     for index, spec in enumerate(recipe.domains):
-        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
-        domain = get_domain(spec.name, **args)
+        domain = get_domain(spec.name, **domain_args(spec, tokenizer))
         tasks = sample_tasks(domain, spec.demos, level=spec.sft_levels, split="train", seed=recipe.seed + index)
         for level, count in sorted(spec.level_demos.items()):
             tasks += sample_tasks(domain, count, level=level, split="train", seed=recipe.seed + 1000 * level + index)
@@ -85,6 +84,11 @@ def _draw(recipe, tokenizer=None) -> tuple[list[SFTSample], dict[str, list[Task]
         fresh = [t for t in candidates if t.metadata["problem_key"] not in test_keys]
         validations[spec.name] = fresh[: spec.validation]
     return demos, heldout, validations
+
+
+def domain_args(spec, tokenizer: str | None) -> dict[str, Any]:
+    """A demo domain's arguments, with `tokenizer` added where the domain counts tokens and was given none."""
+    return {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
 
 
 def counts_tokens(spec) -> bool:
@@ -122,9 +126,9 @@ def write_guard_items(run: DemoRun, rl_domains: Collection[str], tokenizer: str 
             continue
         used = {task.metadata["problem_key"] for name in (heldout_file, validation_file)
                 for task in _read_tasks(run.data_dir / name(spec.name))}
-        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
-        tasks = sample_tasks(get_domain(spec.name, **args), recipe.guard_items, level=spec.heldout_levels,
-                             split="heldout", seed=recipe.seed + 200 + index, exclude=used, fewer_ok=True,
+        domain = get_domain(spec.name, **domain_args(spec, tokenizer))
+        tasks = sample_tasks(domain, recipe.guard_items, level=spec.heldout_levels, split="heldout",
+                             seed=recipe.seed + 200 + index, exclude=used, fewer_ok=True,
                              max_tries_per_task=5000)  # most held-out draws now miss: look longer
         if tasks:
             paths[spec.name] = run.data_dir / guard_file(spec.name)

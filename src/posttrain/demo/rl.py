@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from posttrain.demo.base import SFT_FILE, counts_tokens, write_guard_items
+from posttrain.demo.base import SFT_FILE, counts_tokens, domain_args, write_guard_items
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 
@@ -65,8 +65,8 @@ def guard_suites(run: DemoRun, recipe, tokenizer: str | None = None) -> list:
             continue
         spec = specs[name]
         levels = sorted({*spec.sft_levels, *(level for level, count in spec.level_demos.items() if count)})
-        args = {**spec.args, "tokenizer": tokenizer} if tokenizer is not None and counts_tokens(spec) else spec.args
-        suites.append(RegressionSuite(name=name, path=str(path), domain=name, args=args, levels=levels))
+        suites.append(RegressionSuite(name=name, path=str(path), domain=name, args=domain_args(spec, tokenizer),
+                                      levels=levels))
     return suites
 
 
