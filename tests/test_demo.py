@@ -72,7 +72,8 @@ def test_level_demos_may_not_repeat_the_spread_levels(tmp_path):
 
 
 def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
-    recipe = toy_recipe(tmp_path, "[sft, dpo, rl, sft_control, report]")
+    recipe = toy_recipe(tmp_path, "[sft, dpo, rl, sft_control, report]",
+                        ["eval.pass_k_samples=2", "eval.pass_k=[2]", "eval.pass_k_domains=[calculator]"])
     summary = run_demo(recipe)
     stages = summary["stages"]
     trained = ["sft", "rl", "sft_control"]
@@ -87,7 +88,19 @@ def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
         assert (tmp_path / "run" / stage / "final" / "config.json").is_file()
     assert stages["rl"]["steps"] == 2 and stages["rl"]["started_from"] == "sft"
     assert stages["sft_control"]["seconds"] > 0
-    assert (tmp_path / "run" / "report.html").is_file()
+    # the report shows the stages' own figures: sampled pass@k per level, the judging share, the compute matched
+    html = (tmp_path / "run" / "report.html").read_text()
+    runs = html.split('<section id="runs">')[1].split("</section>")[0]
+    for stage in trained:
+        [(level, figures)] = stages[stage]["pass_at_k_by_level"]["calculator"].items()
+        assert (f"<td>{stage}</td><td>calculator</td><td>{level}</td><td>{figures['pass@1'] * 100:.1f}%</td>"
+                f"<td>{figures['pass@2'] * 100:.1f}%</td>") in runs, stage
+        assert f"<td>{stage}</td><td>{stages[stage]['steps']}</td><td>{stages[stage]['stopped_by']}</td>" in runs
+    share = stages["rl"]["judging"]["share"]["calculator"]
+    assert f"<td>calculator</td><td>{share * 100:.1f}%</td>" in runs
+    compute = stages["rl"]["compute"]
+    assert f"<td>rl</td><td>{compute['sampled_tokens']:,}</td><td>{compute['trained_tokens']:,}</td>" in runs
+    assert f"<td>{stages['sft_control']['compute']['trained_tokens']:,}</td>" in runs
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     again = run_demo(recipe, resume=True)  # every stage finished: nothing runs twice
     assert again == summary

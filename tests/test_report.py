@@ -122,3 +122,29 @@ def test_a_headline_label_that_names_no_checkpoint_is_a_config_error():
 
     with pytest.raises(ValidationError, match=r"report.headline: 'rl' is not a checkpoint label"):
         EvalRecipe.model_validate({"checkpoints": ["runs/sft/final"], "report": {"headline": "rl"}})
+
+
+def test_a_pipeline_s_own_tables_are_shown_as_given_and_escaped(report):
+    results = json.loads(report.results_path.read_text())
+    assert results["tables"] == [] and 'id="runs"' not in report.report_path.read_text()
+    results["tables"] = [{"title": "RL <step> time", "lead": "judging & more", "head": ["domain", "share", "tokens"],
+                          "rows": [["<code>", 0.347, 742798], ["all", None, 12.5]], "percent": [1]}]
+    html = render_report(results)
+    section = html.split('<section id="runs">')[1].split("</section>")[0]
+    assert "RL &lt;step&gt; time" in section and "judging &amp; more" in section
+    assert "<td>&lt;code&gt;</td><td>34.7%</td><td>742,798</td>" in section
+    assert "<td>all</td><td>–</td><td>12.5</td>" in section
+    assert '<a href="#runs">' in html
+
+
+def test_a_report_table_whose_row_does_not_fit_its_head_is_a_config_error():
+    from pydantic import ValidationError
+
+    from posttrain.config import EvalRecipe
+
+    table = {"title": "compute", "head": ["stage", "tokens"], "rows": [["rl", 5], ["sft", 1, 2]]}
+    with pytest.raises(ValidationError, match=r"report.tables 'compute': row 1 has 3 cells, the head 2"):
+        EvalRecipe.model_validate({"checkpoints": ["runs/sft/final"], "report": {"tables": [table]}})
+    with pytest.raises(ValidationError, match=r"percent columns \[2\] are not columns"):
+        EvalRecipe.model_validate({"checkpoints": ["runs/sft/final"],
+                                   "report": {"tables": [{**table, "rows": [], "percent": [2]}]}})

@@ -41,6 +41,7 @@ from posttrain.config.eval import (
     EvalTrainingRun,
     GeneratedSuite,
     RegressionSuite,
+    ReportTable,
     TierEngine,
 )
 from posttrain.config.rl import (  # registers stage "rl" on import of config
@@ -121,6 +122,7 @@ __all__ = [
     "RMLossConfig",
     "RMRecipe",
     "RegressionSuite",
+    "ReportTable",
     "ReturnConfig",
     "ProcessRewardModelConfig",
     "RewardModelConfig",

@@ -191,9 +191,34 @@ class EvalTiers(Section):
     warmup: int = Field(1, ge=0)
 
 
+class ReportTable(Section):
+    """A table of figures a pipeline measured itself, which the evaluation does not compute (a training stage's
+    sampled pass@k, where a run's step time went): shown as given in the report's "From the runs" section.
+    Cells are text or numbers; the numbers of the `percent` columns (0-based) are fractions, shown as percentages."""
+
+    title: str
+    lead: str = ""
+    head: list[str] = Field(min_length=1)
+    rows: list[list[str | int | float | None]] = []
+    percent: list[int] = []
+
+    @model_validator(mode="after")
+    def _rows_fit_head(self):
+        for number, row in enumerate(self.rows):
+            if len(row) != len(self.head):
+                raise ValueError(f"report.tables '{self.title}': row {number} has {len(row)} cells, the head "
+                                 f"{len(self.head)} ({', '.join(self.head)})")
+        wrong = [column for column in self.percent if not 0 <= column < len(self.head)]
+        if wrong:
+            raise ValueError(f"report.tables '{self.title}': percent columns {wrong} are not columns of the head "
+                             f"(0..{len(self.head) - 1})")
+        return self
+
+
 class EvalReport(Section):
     title: str = "posttrain evaluation"
     training_runs: list[EvalTrainingRun] = []
+    tables: list[ReportTable] = []  # figures the runs measured themselves, shown as given
     # The checkpoint the headline cards describe, and the one they compare it with (labels; default: the last
     # checkpoint, and the one before the headline one). A pipeline that evaluates a control after its product
     # names the product here.

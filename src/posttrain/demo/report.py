@@ -4,7 +4,9 @@ The checkpoints are ``runs/demo/<stage>/final`` for each finished stage that has
 order they ran; the headline cards describe the delivered model (RL's checkpoint) against SFT. When `distill` ran,
 its teacher and its student are the tier table's two rows (evaluated like the others, then timed). The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
 of the same size from the same held-out split (new seed), and the safety domain (generated here when the demo
-does not train on it). The contamination check runs against the SFT demonstrations, any preference pairs in
+does not train on it). The stages' own figures (why each stopped, code's sampled pass@k per level, the sandbox's
+share of RL's step time, RL's compute against the control's, the forgetting guard) are the report's "From the runs"
+tables (`posttrain.demo.summary.report_tables`). The contamination check runs against the SFT demonstrations, any preference pairs in
 the data directory and the RL runs' episodes; the training curves come from each stage's metrics.jsonl.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 from posttrain.config import EvalRecipe
 from posttrain.demo.base import SFT_FILE, heldout_file
 from posttrain.demo.pipeline import DemoRun, demo_stage
+from posttrain.demo.summary import report_tables
 from posttrain.tracking import say
 from posttrain.types import Task
 
@@ -62,6 +65,7 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
         "fresh_draw": {"seed": run.recipe.seed + 7919},
         "runtime": {"batch_size": run.recipe.eval.batch_size, "timeout_scale": TIMEOUT_SCALE},
         "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves,
+                   "tables": report_tables(run.summary, run.recipe.eval.pass_k_samples, run.recipe.eval.temperature),
                    **delivered_headline(run, stages)},
     })
 

@@ -55,3 +55,68 @@ def _print_guard(guard: dict[str, Any]) -> None:
     say(f"[demo] rl forgetting guard: {watched}; regressions: {', '.join(regressions) or 'none'}; "
         f"{guard['replay_samples']} demonstrations replayed; {len(evaluations)} evaluations, "
         f"{guard['eval_seconds']:.0f} s")
+
+
+def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> list[dict[str, Any]]:
+    """The same figures as `print_details`, as `report.tables` for the demo's report.html: why each stage stopped,
+    the sampled pass@k per level (`samples` episodes per held-out item at `temperature`), the share of RL's step
+    time spent judging (for code: the unit cases in the sandbox), RL's compute against the control's, and what the
+    forgetting guard saw."""
+    stages = summary.get("stages", {})
+    tables = []
+    stopped = [[stage, figures.get("steps"), figures["stopped_by"], figures.get("seconds")]
+               for stage, figures in stages.items() if figures.get("stopped_by")]
+    if stopped:
+        tables.append({"title": "The stages: steps and why each stopped", "head": ["stage", "steps", "stopped by",
+                                                                                    "seconds"], "rows": stopped,
+                       "lead": "Budgets are steps (or epochs); `time_cap` means a stage's max_minutes cut it short, "
+                               "so its figures depend on the machine that ran it."})
+    sampled = {stage: figures["pass_at_k_by_level"] for stage, figures in stages.items()
+               if figures.get("pass_at_k_by_level")}
+    keys = sorted({k for per_stage in sampled.values() for levels in per_stage.values() for values in levels.values()
+                   for k in values}, key=lambda k: int(k.split("@")[1]))
+    if sampled:
+        rows = [[stage, domain, level, *[values.get(k) for k in keys]]
+                for domain in sorted({d for per_stage in sampled.values() for d in per_stage})
+                for stage, per_stage in sampled.items() for level, values in sorted(per_stage.get(domain, {}).items())]
+        tables.append({"title": "Held-out pass@1 and pass@k per level (sampled)", "head": ["stage", "domain", "level",
+                                                                                          *keys],
+                       "rows": rows, "percent": list(range(3, 3 + len(keys))),
+                       "lead": f"{samples} sampled episodes per held-out item at temperature {temperature:g}, each "
+                               "stage's own checkpoint; pass@k is the unbiased estimate from them."})
+    rl, control = stages.get("rl", {}), stages.get("sft_control", {})
+    if rl.get("judging"):
+        judging = rl["judging"]
+        tables.append({"title": "RL: the share of the step time spent judging",
+                       "head": ["domain", "share of the step time", "RL step seconds", "RL steps"],
+                       "rows": [[name, share, judging["step_seconds"], rl.get("steps")]
+                                for name, share in sorted(judging["share"].items())], "percent": [1],
+                       "lead": "Wall time during which a verifier was running (concurrent judgements counted once) "
+                               "over the wall time of RL's training steps; code's verifier runs the unit cases in the "
+                               "sandbox, so its share is the sandbox's."})
+    if rl.get("compute"):
+        compute = rl["compute"]
+        rows = [["rl", compute["sampled_tokens"], compute["trained_tokens"], compute["train_token_equivalents"],
+                 rl.get("steps")]]
+        if control.get("compute"):
+            rows.append(["sft_control", 0, control["compute"]["trained_tokens"],
+                         control["compute"]["train_token_equivalents"], control.get("steps")])
+        tables.append({"title": "Training compute: RL and its control", "rows": rows,
+                       "head": ["stage", "tokens sampled", "tokens trained", "forward-and-backward token equivalents",
+                                "steps"],
+                       "lead": "A sampled token costs a forward (2N FLOPs), a trained token a forward and a backward "
+                               "(6N), so equivalents = sampled / 3 + trained; the control's steps are chosen to match "
+                               "RL's equivalents."})
+    if rl.get("guard"):
+        guard = rl["guard"]
+        evaluations = guard["evaluations"]
+        first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
+        regressed = {e["suite"] for e in guard["events"] if e["kind"] == "regression"}
+        tables.append({"title": "RL's forgetting guard: the domains only SFT trained",
+                       "head": ["domain", "items", "before RL", "after RL", "regression"],
+                       "rows": [[name, count, first.get(name), last.get(name), "yes" if name in regressed else "no"]
+                                for name, count in guard["items"].items()], "percent": [2, 3],
+                       "lead": f"Greedy pass@1 on held-out items that are neither test nor validation items; "
+                               f"{len(evaluations)} evaluations ({guard['eval_seconds']:.0f} s), "
+                               f"{guard['replay_samples']} demonstrations replayed."})
+    return tables

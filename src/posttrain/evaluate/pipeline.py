@@ -14,7 +14,8 @@ The results JSON is the whole record (the report is rendered from it alone, so i
      "images": {label: {suite: {pass@1, per_domain, items, samples: [case], bad_cases: [case]}}} (image suites),
      "fresh_gap": [...], "regressions": [...], "contamination": {...}, "hygiene": [...], "curves": [...],
      "tiers": null | {baseline, accuracy_suites, settings, rows: [{label, kind, accuracy, tokens_per_s,
-                      p50_latency_ms, speedup, accuracy_delta, runner, ...}]}}
+                      p50_latency_ms, speedup, accuracy_delta, runner, ...}]},
+     "tables": [{title, lead, head, rows, percent}] (`report.tables`: figures the runs measured themselves)}
 
 Tiers (``tiers.models``) run after the checkpoints, each like a checkpoint (a row in ``checkpoints`` with its
 ``tier`` kind, its metrics beside theirs) and then timed; see `posttrain.evaluate.tiers`.
@@ -118,6 +119,7 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
         "curves": training_curves([(run.label or Path(run.path).name, run.path)
                                    for run in recipe.report.training_runs]),
         "tiers": tiers,
+        "tables": [table.model_dump(mode="json") for table in recipe.report.tables],
     }
     results["seconds"] = round(time.perf_counter() - started, 2)
     if not write:

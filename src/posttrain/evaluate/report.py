@@ -5,7 +5,8 @@ Sections: headline cards for the headline checkpoint (`report.headline`; by defa
 from the one before), a table per domain with
 the checkpoints side by side and their deltas (pass@1, mean reward, pass@k, per level), held-out against the
 fresh draw, image suites with thumbnails of the bad cases (`evaluate.image_report`), safety, a length x depth heat map of the long-context suites, training curves, process metrics,
-failure classes with transcripts, contamination, held-out hygiene, regression floors, the tier table (accuracy
+failure classes with transcripts, the runs' own tables (`report.tables`: figures a pipeline measured while
+training, shown as given), contamination, held-out hygiene, regression floors, the tier table (accuracy
 against tokens/s and p50 latency per serving tier, with two plots) and the run's settings. Everything that came
 from a model, a dataset or a file name is escaped (`html.escape`) before it is written.
 """
@@ -33,8 +34,8 @@ def render_report(results: dict[str, Any]) -> str:
     body = "".join([
         _header(view), _nav(view), "<main>", _summary(view), _domains(view),
         image_section(results.get("images", {})), _fresh(view), _safety(view),
-        _long_context(view), _curves(view), _process(view), _failures(view), _contamination(view), _hygiene(view),
-        _regressions(view), _tiers(view), _settings(view), "</main>",
+        _long_context(view), _curves(view), _run_tables(view), _process(view), _failures(view),
+        _contamination(view), _hygiene(view), _regressions(view), _tiers(view), _settings(view), "</main>",
         f'<footer>posttrain evaluation · {_e(results.get("format", ""))} · rendered from results.json</footer>',
     ])
     template = Template(resources.files("posttrain.evaluate").joinpath("report.html").read_text(encoding="utf-8"))
@@ -92,12 +93,13 @@ def _header(view: _View) -> str:
 
 def _nav(view: _View) -> str:
     links = [("summary", "Summary"), ("domains", "Domains"), ("images", "Images"), ("fresh", "Fresh draw"),
-             ("safety", "Safety"),
-             ("long-context", "Long context"), ("curves", "Training curves"), ("process", "Process"), ("failures", "Failures"),
+             ("safety", "Safety"), ("long-context", "Long context"), ("curves", "Training curves"),
+             ("runs", "From the runs"), ("process", "Process"), ("failures", "Failures"),
              ("contamination", "Contamination"), ("hygiene", "Hygiene"), ("regressions", "Regressions"),
              ("tiers", "Tiers"), ("settings", "Settings")]
     present = {"safety": bool(view.safety_suites), "curves": bool(view.results.get("curves")),
-               "regressions": bool(view.results.get("regressions")), "fresh": bool(view.results.get("fresh_gap")),
+               "regressions": bool(view.results.get("regressions")),
+               "runs": bool(view.results.get("tables")), "fresh": bool(view.results.get("fresh_gap")),
                "tiers": bool((view.results.get("tiers") or {}).get("rows")),
                "long-context": bool(_long_context_suites(view)), "images": bool(view.results.get("images"))}
     return "<nav>" + "".join(f'<a href="#{key}">{text}</a>' for key, text in links if present.get(key, True)) + "</nav>"
@@ -297,6 +299,31 @@ def _curves(view: _View) -> str:
                    f"{legend}{svg}</div>")
     return _section("curves", "Training curves", "From the runs' metrics.jsonl, by optimizer step.",
                     f'<div class="grid">{"".join(out)}</div>')
+
+
+def _run_tables(view: _View) -> str:
+    tables = view.results.get("tables") or []
+    if not tables:
+        return ""
+    panels = []
+    for table in tables:
+        percent = set(table.get("percent") or [])
+        rows = [[_cell(value, column in percent) for column, value in enumerate(row)] for row in table["rows"]]
+        lead = f'<p class="muted">{_e(table["lead"])}</p>' if table.get("lead") else ""
+        panels.append(f'<div class="panel"><h3>{_e(table["title"])}</h3>{lead}'
+                      f'{_table([_e(h) for h in table["head"]], rows)}</div>')
+    return _section("runs", "From the runs", "Figures the training runs measured themselves, as they recorded "
+                    "them (not re-measured by this evaluation).", "".join(panels))
+
+
+def _cell(value: Any, percent: bool) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool) or isinstance(value, str):
+        return _e(value)
+    if percent:
+        return _pct(value)
+    return f"{value:,}" if isinstance(value, int) else _num(value, 1 if abs(value) >= 10 else 3)
 
 
 def _process(view: _View) -> str:
