@@ -134,6 +134,7 @@ def test_a_pipeline_s_own_tables_are_shown_as_given_and_escaped(report):
     assert "RL &lt;step&gt; time" in section and "judging &amp; more" in section
     assert "<td>&lt;code&gt;</td><td>34.7%</td><td>742,798</td>" in section
     assert "<td>all</td><td>–</td><td>12.5</td>" in section
+    assert section.count("<svg") == 1 and ">share</span>" in section  # the fractions as bars, with their legend
     assert '<a href="#runs">' in html
 
 

@@ -311,9 +311,23 @@ def _run_tables(view: _View) -> str:
         rows = [[_cell(value, column in percent) for column, value in enumerate(row)] for row in table["rows"]]
         lead = f'<p class="muted">{_e(table["lead"])}</p>' if table.get("lead") else ""
         panels.append(f'<div class="panel"><h3>{_e(table["title"])}</h3>{lead}'
-                      f'{_table([_e(h) for h in table["head"]], rows)}</div>')
+                      f'{_table([_e(h) for h in table["head"]], rows)}{_table_chart(table)}</div>')
     return _section("runs", "From the runs", "Figures the training runs measured themselves, as they recorded "
-                    "them (not re-measured by this evaluation).", "".join(panels))
+                    "them (not re-measured by this evaluation); the fractions of each table as bars.", "".join(panels))
+
+
+def _table_chart(table: dict[str, Any]) -> str:
+    """Grouped bars of a run table's `percent` columns, one group per row, named by the row's text cells."""
+    columns = sorted(set(table.get("percent") or []))
+    if not columns or not table["rows"]:
+        return ""
+    categories = [" · ".join(str(cell) for cell in row if isinstance(cell, str)) or str(number + 1)
+                  for number, row in enumerate(table["rows"])]
+    series = [(table["head"][column], [row[column] for row in table["rows"]]) for column in columns]
+    legend = '<div class="legend">' + "".join(
+        f'<span><i class="dot" style="background:{color(i)}"></i>{_e(name)}</span>'
+        for i, (name, _) in enumerate(series)) + "</div>"
+    return legend + bar_chart(categories, series, label=table["title"], fraction=True)
 
 
 def _cell(value: Any, percent: bool) -> str:
