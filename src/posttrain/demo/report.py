@@ -2,12 +2,14 @@
 
 The checkpoints are ``runs/demo/<stage>/final`` for each finished stage that has one (sft, dpo, rl ...), in the
 order they ran; the headline cards describe the delivered model (RL's checkpoint) against SFT. When `distill` ran,
-its teacher and its student are the tier table's two rows (evaluated like the others, then timed). The suites: each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw
-of the same size from the same held-out split (new seed), and the safety domain (generated here when the demo
-does not train on it). The stages' own figures (why each stopped, code's sampled pass@k per level, the sandbox's
-share of RL's step time, RL's compute against the control's, the forgetting guard) are the report's "From the runs"
-tables (`posttrain.demo.summary.report_tables`). The contamination check runs against the SFT demonstrations, any preference pairs in
-the data directory and the RL runs' episodes; the training curves come from each stage's metrics.jsonl.
+its teacher and its student are the tier table's two rows (evaluated like the others, then timed). The suites:
+each demo domain's fixed held-out set (the one the `base` stage saved), a fresh draw of the same size from the same
+held-out split (new seed), and the safety domain (generated here when the demo does not train on it). The stages'
+own figures (why each stopped, code's sampled pass@k per level, the sandbox's share of RL's step time, RL's compute
+against the control's, the forgetting guard) are the report's "From the runs" tables
+(`posttrain.demo.summary.report_tables`). The contamination check runs against the SFT demonstrations, any
+preference pairs in the data directory and the RL runs' episodes; the training curves come from each stage's
+metrics.jsonl.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
     stopped = [[stage, figures.get("steps"), figures["stopped_by"], figures.get("seconds")]
                for stage, figures in stages.items() if figures.get("stopped_by")]
     if stopped:
-        tables.append({"title": "The stages: steps and why each stopped", "head": ["stage", "steps", "stopped by",
-                                                                                    "seconds"], "rows": stopped,
+        tables.append({"title": "The stages: steps and why each stopped", "rows": stopped,
+                       "head": ["stage", "steps", "stopped by", "seconds"],
                        "lead": "Budgets are steps (or epochs); `time_cap` means a stage's max_minutes cut it short, "
                                "so its figures depend on the machine that ran it."})
     sampled = {stage: figures["pass_at_k_by_level"] for stage, figures in stages.items()
@@ -79,9 +79,8 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
         rows = [[stage, domain, level, *[values.get(k) for k in keys]]
                 for domain in sorted({d for per_stage in sampled.values() for d in per_stage})
                 for stage, per_stage in sampled.items() for level, values in sorted(per_stage.get(domain, {}).items())]
-        tables.append({"title": "Held-out pass@1 and pass@k per level (sampled)", "head": ["stage", "domain", "level",
-                                                                                          *keys],
-                       "rows": rows, "percent": list(range(3, 3 + len(keys))),
+        tables.append({"title": "Held-out pass@1 and pass@k per level (sampled)", "rows": rows,
+                       "head": ["stage", "domain", "level", *keys], "percent": list(range(3, 3 + len(keys))),
                        "lead": f"{samples} sampled episodes per held-out item at temperature {temperature:g}, each "
                                "stage's own checkpoint; pass@k is the unbiased estimate from them."})
     rl, control = stages.get("rl", {}), stages.get("sft_control", {})
