@@ -249,3 +249,18 @@ def test_rl_starts_from_dpo_after_it_unless_rl_from_says_sft(tmp_path):
     assert rl_start(run) == ("sft", run.model_after("sft"))
     with pytest.raises(ConfigError, match="rl_from"):
         toy_recipe(tmp_path, "[sft, dpo, rl]", ["rl_from=dpo"])
+
+
+def test_the_report_tables_name_the_guard_s_regressions_by_step():
+    from posttrain.config import ReportTable
+    from posttrain.demo.summary import report_tables
+
+    evaluations = [{"step": 0, "pass_rate": {"calculator": 0.43, "safety": 0.9}},
+                   {"step": 30, "pass_rate": {"calculator": 0.47, "safety": 0.9}}]
+    events = [{"kind": "regression", "step": 25, "suite": "calculator"}, {"kind": "recovered", "step": 30,
+                                                                         "suite": "calculator"}]
+    guard = {"items": {"calculator": 30, "safety": 30}, "evaluations": evaluations, "events": events,
+             "eval_seconds": 19.6, "replay_samples": 40}
+    [table] = [ReportTable.model_validate(t) for t in report_tables({"stages": {"rl": {"guard": guard}}}, 8, 1.0)]
+    assert table.rows == [["calculator", 30, 0.43, 0.47, "25"], ["safety", 30, 0.9, 0.9, None]]
+    assert table.percent == [2, 3] and "40 demonstrations replayed" in table.lead

@@ -127,14 +127,16 @@ def test_a_headline_label_that_names_no_checkpoint_is_a_config_error():
 def test_a_pipeline_s_own_tables_are_shown_as_given_and_escaped(report):
     results = json.loads(report.results_path.read_text())
     assert results["tables"] == [] and 'id="runs"' not in report.report_path.read_text()
-    results["tables"] = [{"title": "RL <step> time", "lead": "judging & more", "head": ["domain", "share", "tokens"],
-                          "rows": [["<code>", 0.347, 742798], ["all", None, 12.5]], "percent": [1]}]
+    results["tables"] = [{"title": "RL <step> time", "lead": "judging & more",
+                          "head": ["domain", "share", "tokens", "note"], "percent": [1],
+                          "rows": [["<code>", 0.347, 742798, "sandbox"], ["all", None, 12.5, None]]}]
     html = render_report(results)
     section = html.split('<section id="runs">')[1].split("</section>")[0]
     assert "RL &lt;step&gt; time" in section and "judging &amp; more" in section
-    assert "<td>&lt;code&gt;</td><td>34.7%</td><td>742,798</td>" in section
-    assert "<td>all</td><td>–</td><td>12.5</td>" in section
+    assert "<td>&lt;code&gt;</td><td>34.7%</td><td>742,798</td><td>sandbox</td>" in section
+    assert "<td>all</td><td>–</td><td>12.5</td><td>–</td>" in section
     assert section.count("<svg") == 1 and ">share</span>" in section  # the fractions as bars, with their legend
+    assert "share · &lt;code&gt;: 34.7%" in section  # a bar is named by the text before the fractions
     assert '<a href="#runs">' in html
 
 

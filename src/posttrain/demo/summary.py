@@ -110,10 +110,14 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
         guard = rl["guard"]
         evaluations = guard["evaluations"]
         first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
-        regressed = {e["suite"] for e in guard["events"] if e["kind"] == "regression"}
+        regressed: dict[str, list[str]] = {}
+        for event in guard["events"]:
+            if event["kind"] == "regression":
+                regressed.setdefault(event["suite"], []).append(str(event["step"]))
         tables.append({"title": "RL's forgetting guard: the domains only SFT trained",
-                       "head": ["domain", "items", "before RL", "after RL", "regression"],
-                       "rows": [[name, count, first.get(name), last.get(name), "yes" if name in regressed else "no"]
+                       "head": ["domain", "items", "before RL", "after RL", "regressions (steps)"],
+                       "rows": [[name, count, first.get(name), last.get(name),
+                                 ", ".join(regressed.get(name, [])) or None]
                                 for name, count in guard["items"].items()], "percent": [2, 3],
                        "lead": f"Greedy pass@1 on held-out items that are neither test nor validation items; "
                                f"{len(evaluations)} evaluations ({guard['eval_seconds']:.0f} s), "

@@ -317,11 +317,12 @@ def _run_tables(view: _View) -> str:
 
 
 def _table_chart(table: dict[str, Any]) -> str:
-    """Grouped bars of a run table's `percent` columns, one group per row, named by the row's text cells."""
+    """Grouped bars of a run table's `percent` columns, one group per row, named by the row's text cells before
+    its first fraction."""
     columns = sorted(set(table.get("percent") or []))
     if not columns or not table["rows"]:
         return ""
-    categories = [" · ".join(str(cell) for cell in row if isinstance(cell, str)) or str(number + 1)
+    categories = [" · ".join(cell for cell in row[: columns[0]] if isinstance(cell, str)) or str(number + 1)
                   for number, row in enumerate(table["rows"])]
     series = [(table["head"][column], [row[column] for row in table["rows"]]) for column in columns]
     legend = '<div class="legend">' + "".join(
