@@ -47,14 +47,24 @@ def print_details(summary: dict[str, Any]) -> None:
 def _print_guard(guard: dict[str, Any]) -> None:
     """What RL's forgetting guard watched (the domains only SFT trained): first and last pass rate per domain,
     its regressions and what they cost."""
-    evaluations = guard["evaluations"]
-    first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
+    first, last, regressed = _guard_view(guard)
     watched = ", ".join(f"{name} ({count} items) {first.get(name, 0):.0%} -> {last.get(name, 0):.0%}"
                         for name, count in guard["items"].items())
-    regressions = [f"{e['suite']} at step {e['step']}" for e in guard["events"] if e["kind"] == "regression"]
+    regressions = [f"{name} at step {step}" for name, steps in regressed.items() for step in steps]
     say(f"[demo] rl forgetting guard: {watched}; regressions: {', '.join(regressions) or 'none'}; "
-        f"{guard['replay_samples']} demonstrations replayed; {len(evaluations)} evaluations, "
+        f"{guard['replay_samples']} demonstrations replayed; {len(guard['evaluations'])} evaluations, "
         f"{guard['eval_seconds']:.0f} s")
+
+
+def _guard_view(guard: dict[str, Any]) -> tuple[dict[str, float], dict[str, float], dict[str, list[str]]]:
+    """The guard's first and last pass rate per suite, and the steps at which each suite regressed."""
+    evaluations = guard["evaluations"]
+    first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
+    regressed: dict[str, list[str]] = {}
+    for event in guard["events"]:
+        if event["kind"] == "regression":
+            regressed.setdefault(event["suite"], []).append(str(event["step"]))
+    return first, last, regressed
 
 
 def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> list[dict[str, Any]]:
@@ -108,18 +118,13 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
                                "RL's equivalents."})
     if rl.get("guard"):
         guard = rl["guard"]
-        evaluations = guard["evaluations"]
-        first, last = (evaluations[0]["pass_rate"], evaluations[-1]["pass_rate"]) if evaluations else ({}, {})
-        regressed: dict[str, list[str]] = {}
-        for event in guard["events"]:
-            if event["kind"] == "regression":
-                regressed.setdefault(event["suite"], []).append(str(event["step"]))
+        first, last, regressed = _guard_view(guard)
         tables.append({"title": "RL's forgetting guard: the domains only SFT trained",
                        "head": ["domain", "items", "before RL", "after RL", "regressions (steps)"],
                        "rows": [[name, count, first.get(name), last.get(name),
                                  ", ".join(regressed.get(name, [])) or None]
                                 for name, count in guard["items"].items()], "percent": [2, 3],
                        "lead": f"Greedy pass@1 on held-out items that are neither test nor validation items; "
-                               f"{len(evaluations)} evaluations ({guard['eval_seconds']:.0f} s), "
+                               f"{len(guard['evaluations'])} evaluations ({guard['eval_seconds']:.0f} s), "
                                f"{guard['replay_samples']} demonstrations replayed."})
     return tables

@@ -296,9 +296,10 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         began = time.perf_counter()
         final = evaluate(policy.full_model(), cursor.step) if suites else {}
         if final:
-            tracker.log(eval_metrics_of(recipe, final), step=cursor.step)
+            final_metrics = eval_metrics_of(recipe, final)
+            tracker.log(final_metrics, step=cursor.step)
             run.evaluations.append({"step": cursor.step, "seconds": time.perf_counter() - began, "final": 1.0,
-                                    **eval_metrics_of(recipe, final)})
+                                    **final_metrics})
     finally:
         if compile_meter is not None:
             compile_meter.close()
