@@ -138,6 +138,31 @@ def test_resume_restores_the_scheduler_exactly(policy_dir, tmp_path, threaded_ru
     assert_same_weights(threaded_run.final_dir, resumed.final_dir)
 
 
+def test_a_resumed_run_reports_every_evaluation_of_the_whole_run(policy_dir, tmp_path):
+    """The guard's evaluations before the checkpoint (the baseline, step 2) come back from metrics.jsonl; the
+    crashed process's evaluation at step 4, past the checkpoint, is re-run, not counted twice."""
+    def config(name):
+        return recipe(policy_dir, tmp_path / name,
+                      domains=[{"name": "sched_e2e_a", "heldout": 6}, {"name": "sched_e2e_b", "heldout": 6}],
+                      train={"max_steps": 6, "eval_every": 2, "save_every": 3})
+
+    def crash(step, metrics):
+        if step == 5:
+            raise KeyboardInterrupt("simulated crash after step 5 (checkpoint at step 3)")
+
+    def figures_of(result):
+        return [{k: v for k, v in e.items() if k != "seconds"} for e in result.evaluations]
+
+    full = run_rl(config("full"))
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(config("crashed"), on_step=crash)
+    resumed = run_rl(config("crashed"), resume=True)
+    assert [e["step"] for e in full.evaluations] == [0, 2, 4, 6, 6]  # baseline, every 2 steps, final
+    assert "heldout/sched_e2e_a" in full.evaluations[0] and full.evaluations[-1]["final"] == 1.0
+    assert figures_of(resumed) == figures_of(full)
+    assert all(e["seconds"] > 0 for e in resumed.evaluations)
+
+
 def test_forced_regression_boosts_the_domain_and_mixes_in_replay(policy_dir, tmp_path, capsys):
     def break_b(step, metrics):
         if step == 1:

@@ -104,6 +104,7 @@ from posttrain.usercode import import_all
 EPISODES_FILE = "episodes.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
 SUMMARY_FILE = "schedule_summary.json"
+EVAL_PREFIXES = ("heldout/", "regression/", "eval/")  # what eval_metrics_of logs: an evaluation's figures
 CORPUS_TASKS_PER_DOMAIN = 64  # tasks per domain whose text trains a fresh built-in model's tokenizer
 
 
@@ -122,7 +123,8 @@ class RLResult:
     mix_trained: dict[str, float] = field(default_factory=dict)  # share of groups that reached the trainer
     events: list[dict[str, Any]] = field(default_factory=list)  # guard events, alarms, rollbacks
     infra_failures: dict[str, int] = field(default_factory=dict)  # per suite at the final evaluation, never scored
-    # every evaluation of the suites this process ran (baseline, every N steps, final): step, seconds and figures
+    # every evaluation of the suites (baseline, every N steps, final): step, seconds and figures; a resumed run has
+    # the evaluations before its checkpoint from metrics.jsonl
     evaluations: list[dict[str, float]] = field(default_factory=list)
     stopped_by: str = ""  # "steps" (train.max_steps), "time_cap" (train.max_minutes: warned) or "on_step"
 
@@ -255,7 +257,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
         say(f"[rl] self-test passed: engine vs trainer log-prob gap max {gap['gap_abs_max']:.2e}")
 
     evaluate = suite_evaluator(recipe, suites, policy.full_model(), tokenizer, runtime, renderer=run.renderer)
-    history = _steps_before(output_dir, cursor.step) if checkpoint is not None else []
+    history, run.evaluations = _logged_before(output_dir, cursor.step) if checkpoint is not None else ([], [])
     logs = _Logs(open(output_dir / EPISODES_FILE, "a", encoding="utf-8"),
                  open(output_dir / EVENTS_FILE, "a", encoding="utf-8"))
     if checkpoint is None and run.guard.wants_baseline():
@@ -339,10 +341,10 @@ def _evaluate(run: _Run, evaluate: EvaluateFn, step: int, events_log
     if boosted != before and hasattr(run.sampler, "boost_domains"):
         # The producer may already be drawing batches up to step + max_staleness: the boost starts after them.
         run.sampler.boost_domains(boosted, step + run.recipe.pipeline.max_staleness + 1)
-    metrics = eval_metrics_of(run.recipe, scores)
-    metrics.update({f"guard/event/{event['kind']}": 1.0 for event in events})
+    figures = eval_metrics_of(run.recipe, scores)
+    metrics = {**figures, **{f"guard/event/{event['kind']}": 1.0 for event in events}}
     metrics["time/eval_s"] = time.perf_counter() - began  # wall time, apart from the step's time/step_s
-    run.evaluations.append({"step": step, "seconds": metrics["time/eval_s"], **metrics})
+    run.evaluations.append({"step": step, "seconds": metrics["time/eval_s"], **figures})
     return metrics, events
 
 
@@ -370,12 +372,19 @@ def _scale_lr(run: _Run) -> None:
         run.critic.set_lr_scale(run.guard.lr_scale)
 
 
-def _steps_before(output_dir: Path, step: int) -> list[dict[str, float]]:
-    """A resumed run's history up to its checkpoint's `step`: the step records of metrics.jsonl (a step the
-    crashed process ran past the checkpoint is re-run and logged again; `read_metrics` keeps the last), so a
-    resumed run's result -- the demo's compute count, its judging share -- covers the whole run."""
-    return [{k: v for k, v in record.items() if k != "time"} for record in read_metrics(output_dir / "metrics.jsonl")
-            if "time/step_s" in record and 0 < record.get("step", 0) <= step]
+def _logged_before(output_dir: Path, step: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """A resumed run's steps and evaluations up to its checkpoint's `step`, from metrics.jsonl (a step the crashed
+    process ran past the checkpoint is re-run and logged again; `read_metrics` keeps the last), so a resumed run's
+    result -- the demo's compute count, its judging share, the guard's evaluations since the baseline -- covers the
+    whole run. An evaluation's record is the one with `time/eval_s` (a step's, or the baseline's at step 0); the
+    final evaluation is logged without it and comes after the last checkpoint."""
+    records = [{k: v for k, v in record.items() if k != "time"} for record in read_metrics(output_dir / "metrics.jsonl")
+               if 0 <= record.get("step", 0) <= step]
+    steps = [record for record in records if "time/step_s" in record and record["step"] > 0]
+    evaluations = [{"step": record["step"], "seconds": record["time/eval_s"],
+                    **{k: v for k, v in record.items() if k.startswith(EVAL_PREFIXES)}}
+                   for record in records if "time/eval_s" in record]
+    return steps, evaluations
 
 
 def _restore(run: _Run, checkpoint: Path, *, keep_history: bool = False) -> tuple[_Cursor, list[RolloutBatch]]:
