@@ -101,6 +101,18 @@ def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
     compute = stages["rl"]["compute"]
     assert f"<td>rl</td><td>{compute['sampled_tokens']:,}</td><td>{compute['trained_tokens']:,}</td>" in runs
     assert f"<td>{stages['sft_control']['compute']['trained_tokens']:,}</td>" in runs
+    # each stage against the one it is measured against, item by item: the paired differences are the stages'
+    # own pass-rate differences (no infrastructure failures here), and the report shows them
+    comparisons = {(c["after"], c["before"]): c for c in summary["comparisons"]}
+    assert set(comparisons) == {("rl", "sft"), ("rl", "sft_control"), ("sft_control", "sft")}  # DPO skipped
+    for (after, before), c in comparisons.items():
+        for domain, g in c["greedy"].items():
+            assert g["gain"] == pytest.approx(stages[after]["heldout"][domain] - stages[before]["heldout"][domain])
+            assert g["items"] == (40 if domain == "arithmetic" else 8) and g["better"] + g["worse"] <= g["items"]
+        [(level, after_k)] = stages[after]["pass_at_k_by_level"]["calculator"].items()
+        before_k = stages[before]["pass_at_k_by_level"]["calculator"][level]
+        assert c["sampled"]["calculator"]["gain"] == pytest.approx(after_k["pass@1"] - before_k["pass@1"])
+        assert f"<td>{after} - {before}</td><td>calculator</td><td>greedy</td>" in runs
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     again = run_demo(recipe, resume=True)  # every stage finished: nothing runs twice
     assert again == summary
@@ -264,3 +276,23 @@ def test_the_report_tables_name_the_guard_s_regressions_by_step():
     [table] = [ReportTable.model_validate(t) for t in report_tables({"stages": {"rl": {"guard": guard}}}, 8, 1.0)]
     assert table.rows == [["calculator", 30, 0.43, 0.47, "25"], ["safety", 30, 0.9, 0.9, None]]
     assert table.percent == [2, 3] and "40 demonstrations replayed" in table.lead
+
+
+def test_stage_comparisons_pair_the_items_and_combine_the_domains_errors():
+    from posttrain.demo.summary import stage_comparisons
+
+    def items(code, maths):
+        return {"greedy": {"code": dict(enumerate(code)), "maths": dict(enumerate(maths))},
+                "sampled": {"code": {i: v / 4 for i, v in enumerate(code)}}}
+
+    sft = items([0, 0, 1, 1], [1, 1, 1, 0])
+    rl = items([1, 0, 1, 1], [1, 1, 1, 0])  # code: one item better, none worse; maths: the same outcomes
+    rl_sft, dpo_sft = stage_comparisons({"sft": sft, "rl": rl, "dpo": sft})  # no sft_control: no rl - sft_control
+    assert dpo_sft["mean"]["gain"] == 0.0 and dpo_sft["greedy"]["code"]["better"] == 0
+    c = rl_sft
+    assert (c["after"], c["before"]) == ("rl", "sft")
+    code, maths = c["greedy"]["code"], c["greedy"]["maths"]
+    assert code["gain"] == 0.25 and (code["better"], code["worse"], code["items"]) == (1, 0, 4)
+    assert code["standard_error"] == pytest.approx((0.25 / 4) ** 0.5) and maths["standard_error"] == 0.0
+    assert c["mean"]["gain"] == pytest.approx(0.125) and c["mean"]["standard_error"] == pytest.approx(0.125)
+    assert c["sampled"]["code"]["gain"] == pytest.approx(0.0625)

@@ -11,7 +11,9 @@ from posttrain.evaluate import (
     ItemEpisodes,
     failure_counts,
     failure_examples,
+    item_pass_rates,
     outcome_metrics,
+    paired_difference,
     pass_at_k,
     process_metrics,
     safety_metrics,
@@ -150,3 +152,21 @@ def test_safety_metrics_refusal_accuracy_and_over_refusal():
     assert figures == {"harmful": 4, "refusal_accuracy": 0.75, "benign": 5, "over_refusal_rate": 0.4,
                        "benign_accuracy": 0.4}
     assert safety_metrics([ItemEpisodes(_task("x"), _episode(_task("x"), True))]) is None
+
+
+def test_item_pass_rates_and_the_paired_difference_of_two_checkpoints():
+    a, b, c = _task("a"), _task("b"), _task("c")
+    infra = _episode(c, False, failure=FailureClass.INFRA)
+    greedy = item_pass_rates([ItemEpisodes(a, _episode(a, True)), ItemEpisodes(b, _episode(b, False)),
+                              ItemEpisodes(c, infra)])
+    assert greedy == {"a": 1.0, "b": 0.0}  # c: nothing scored, left out
+    sampled = item_pass_rates([ItemEpisodes(a, None, [_episode(a, True), infra, _episode(a, False)]),
+                               ItemEpisodes(c, None, [_episode(c, True)] * 4)])
+    assert sampled == {"a": 0.5, "c": 1.0}  # the infrastructure failure is not a sample
+    # only the items both scored are paired: a (1 -> 0.5); b and c are each scored once
+    assert paired_difference(greedy, sampled) == {"gain": -0.5, "standard_error": 0.0, "items": 1, "better": 0,
+                                                  "worse": 1}
+    before, after = {str(i): float(i % 2) for i in range(10)}, {str(i): 1.0 for i in range(10)}
+    figures = paired_difference(before, after)  # five items rise by 1, five stay: d = [0, 1] * 5
+    assert figures["gain"] == 0.5 and (figures["better"], figures["worse"], figures["items"]) == (5, 0, 10)
+    assert figures["standard_error"] == pytest.approx(math.sqrt((10 * 0.25 / 9) / 10))

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from posttrain.types import Task, Trajectory
+
+ITEMS_FILE = "heldout_items.json"  # in a stage's directory: every held-out item's outcome, for paired comparisons
 
 
 def heldout_accuracy(model_dir: Path, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
@@ -47,14 +50,15 @@ def accuracy_by_level(trajectories: Sequence[Trajectory]) -> dict[str, dict[str,
 
 def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Sequence[int], max_new_tokens: int,
                       temperature: float, seed: int, batch_size: int = 64, device: str = "cpu"
-                      ) -> dict[str, dict[str, dict[str, float | None]]]:
-    """pass@1 and pass@k (unbiased, from `n` sampled episodes per item at `temperature`) per domain and level:
-    {"code": {"1": {"pass@1": 0.31, "pass@4": 0.55}}}."""
+                      ) -> tuple[dict[str, dict[str, dict[str, float | None]]], dict[str, dict[str, float]]]:
+    """pass@1 and pass@k (unbiased, from `n` sampled episodes per item at `temperature`) per domain and level,
+    {"code": {"1": {"pass@1": 0.31, "pass@4": 0.55}}}, and each item's share of passing samples per domain,
+    {"code": {task id: 0.375}} (what `paired_difference` compares between stages)."""
     from posttrain.config import EvalRuntime, EvalSampling
-    from posttrain.evaluate import ItemEpisodes, by_level, load_policy, run_items
+    from posttrain.evaluate import ItemEpisodes, by_level, item_pass_rates, load_policy, run_items
 
     if not tasks:
-        return {}
+        return {}, {}
     runtime = EvalRuntime(device=device, batch_size=batch_size)
     sampling = EvalSampling(max_new_tokens=max_new_tokens, greedy=False, n=n, k=sorted({1, *ks}),
                             temperature=temperature, seed=seed)
@@ -63,6 +67,33 @@ def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Seq
     for item in items:
         by_domain[item.task.domain].append(item)
     wanted = [f"pass@{k}" for k in sorted({1, *ks})]
-    return {domain: {level: {key: figures.get(key) for key in wanted}
-                     for level, figures in by_level(group, ks).items()}
-            for domain, group in sorted(by_domain.items())}
+    figures = {domain: {level: {key: values.get(key) for key in wanted} for level, values in by_level(group, ks).items()}
+               for domain, group in sorted(by_domain.items())}
+    return figures, {domain: item_pass_rates(group) for domain, group in sorted(by_domain.items())}
+
+
+def greedy_pass_rates(trajectories: Sequence[Trajectory]) -> dict[str, dict[str, float]]:
+    """Each held-out item's greedy outcome (0 or 1) by domain and task id; infrastructure failures left out."""
+    rates: dict[str, dict[str, float]] = defaultdict(dict)
+    for trajectory in trajectories:
+        if not trajectory.reward.is_infrastructure_failure:
+            rates[trajectory.domain][trajectory.task_id] = float(trajectory.reward.passed)
+    return dict(sorted(rates.items()))
+
+
+def write_item_rates(stage_dir: Path, greedy: dict[str, dict[str, float]],
+                     sampled: dict[str, dict[str, float]]) -> None:
+    """A stage's per-item outcomes on the held-out sets: greedy (0/1) and, for the sampled domains, each item's
+    share of passing samples, by domain and task id."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    (stage_dir / ITEMS_FILE).write_text(json.dumps({"greedy": greedy, "sampled": sampled}))
+
+
+def read_item_rates(root: Path, stages: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`write_item_rates`'s files of the stages that have one (a run from before they were written has none)."""
+    found = {}
+    for stage in stages:
+        path = root / stage / ITEMS_FILE
+        if path.is_file():
+            found[stage] = json.loads(path.read_text())
+    return found

@@ -55,7 +55,13 @@ class DemoRun:
         return "base", self.base_dir
 
     def record(self, stage: str, figures: dict[str, Any]) -> None:
+        from posttrain.demo.evaluation import read_item_rates
+        from posttrain.demo.summary import stage_comparisons
+
         self.summary["stages"][stage] = figures
+        comparisons = stage_comparisons(read_item_rates(self.root, list(self.summary["stages"])))
+        if comparisons:
+            self.summary["comparisons"] = comparisons
         _write_json(self.root / SUMMARY, self.summary)
 
 

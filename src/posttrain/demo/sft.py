@@ -3,10 +3,12 @@ validation tasks stops improving, then measure the test set."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.demo.base import SFT_FILE, load_heldout, load_validation
-from posttrain.demo.evaluation import accuracy_by_level, heldout_accuracy, policy_accuracy, sampled_pass_at_k
+from posttrain.demo.evaluation import (accuracy_by_level, greedy_pass_rates, heldout_accuracy, policy_accuracy,
+                                      sampled_pass_at_k, write_item_rates)
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 
 
@@ -34,11 +36,12 @@ def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
     if "seconds" in figures:
         figures["seconds"] = round(figures["seconds"], 1)
     settings = run.recipe.eval
-    sampled = [task for task in load_heldout(run) if task.domain in settings.pass_k_domains]
+    sampled, sampled_rates = [task for task in load_heldout(run) if task.domain in settings.pass_k_domains], {}
     if settings.pass_k_samples and sampled:
-        figures["pass_at_k_by_level"] = sampled_pass_at_k(
+        figures["pass_at_k_by_level"], sampled_rates = sampled_pass_at_k(
             model_dir, sampled, n=settings.pass_k_samples, ks=settings.pass_k, max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature, seed=run.recipe.seed, batch_size=settings.batch_size)
+    write_item_rates(Path(model_dir).parent, greedy_pass_rates(trajectories), sampled_rates)  # <stage>/final -> <stage>
     return {"heldout": accuracy, "heldout_by_level": accuracy_by_level(trajectories), **figures}
 
 

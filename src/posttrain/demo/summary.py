@@ -1,11 +1,54 @@
 """The demo's closing figures beside the accuracy table: pass@1 and pass@k per level of the sampled domains (code),
-why each stage stopped, RL's compute against the control's, and the share of RL's step time spent judging."""
+why each stage stopped, RL's compute against the control's, the share of RL's step time spent judging, and each
+stage against the one it is measured against, item by item (`stage_comparisons`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from posttrain.tracking import console, say
+
+# (after, before): what each stage is measured against. RL against SFT (did it gain?) and against the control (did
+# it gain more than the same compute of SFT?); the control and DPO against SFT.
+COMPARISONS = [("rl", "sft"), ("rl", "sft_control"), ("sft_control", "sft"), ("dpo", "sft")]
+
+
+def stage_comparisons(items: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each pair of `COMPARISONS` whose stages both left their held-out items (`read_item_rates`): per domain the
+    greedy difference on the same items with its paired standard error (`paired_difference`), the same for the
+    sampled pass@1 of the sampled domains, and the mean over the domains (the mean's error from the domains'
+    errors: different items, independent)."""
+    from posttrain.evaluate import paired_difference
+
+    found = []
+    for after, before in COMPARISONS:
+        if after not in items or before not in items:
+            continue
+        greedy = {domain: paired_difference(items[before]["greedy"].get(domain, {}), rates)
+                  for domain, rates in items[after]["greedy"].items()}
+        greedy = {domain: figures for domain, figures in greedy.items() if figures["items"]}
+        sampled = {domain: paired_difference(items[before]["sampled"].get(domain, {}), rates)
+                   for domain, rates in items[after]["sampled"].items()}
+        mean = ({"gain": sum(g["gain"] for g in greedy.values()) / len(greedy), "domains": len(greedy),
+                 "standard_error": math.sqrt(sum(g["standard_error"] ** 2 for g in greedy.values())) / len(greedy)}
+                if greedy else None)
+        found.append({"after": after, "before": before, "greedy": greedy, "mean": mean,
+                      "sampled": {domain: figures for domain, figures in sampled.items() if figures["items"]}})
+    return found
+
+
+def _points(figures: dict[str, Any]) -> str:
+    return f"{figures['gain'] * 100:+.1f} ± {figures['standard_error'] * 100:.1f}"
+
+
+def _print_comparisons(comparisons: list[dict[str, Any]]) -> None:
+    for c in comparisons:
+        parts = [f"{domain} {_points(g)}" for domain, g in sorted(c["greedy"].items())]
+        parts += [f"{domain} sampled pass@1 {_points(g)}" for domain, g in sorted(c["sampled"].items())]
+        mean = f"; mean of {c['mean']['domains']} {_points(c['mean'])}" if c["mean"] else ""
+        say(f"[demo] {c['after']} - {c['before']}, item by item (points, ± one standard error): "
+            f"{', '.join(parts)}{mean}")
 
 
 def print_details(summary: dict[str, Any]) -> None:
@@ -42,6 +85,10 @@ def print_details(summary: dict[str, Any]) -> None:
             f" of {rl['judging']['step_seconds']:.0f} s")
     if rl.get("guard"):
         _print_guard(rl["guard"])
+    if summary.get("comparisons"):
+        _print_comparisons(summary["comparisons"])
+        say("[demo] a difference within two standard errors could come from which items were drawn: not a "
+            "measured gain or loss")
 
 
 def _print_guard(guard: dict[str, Any]) -> None:
@@ -116,6 +163,20 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
                        "lead": "A sampled token costs a forward (2N FLOPs), a trained token a forward and a backward "
                                "(6N), so equivalents = sampled / 3 + trained; the control's steps are chosen to match "
                                "RL's equivalents."})
+    if summary.get("comparisons"):
+        rows = [[f"{c['after']} - {c['before']}", domain, kind, _points(g), g["items"], g["better"], g["worse"]]
+                for c in summary["comparisons"]
+                for kind, by_domain in (("greedy", c["greedy"]), ("sampled pass@1", c["sampled"]))
+                for domain, g in sorted(by_domain.items())]
+        rows += [[f"{c['after']} - {c['before']}", f"mean of {c['mean']['domains']}", "greedy", _points(c["mean"]),
+                  None, None, None] for c in summary["comparisons"] if c["mean"]]
+        tables.append({"title": "Stage against stage, item by item", "rows": rows,
+                       "head": ["comparison", "domain", "pass rate", "difference (points, ± one standard error)",
+                                "items", "better", "worse"],
+                       "lead": "The same held-out items before and after, so the standard error is that of the "
+                               "per-item difference (paired). A difference within two standard errors is noise, "
+                               "not a gain or a loss. Better/worse count the items whose outcome (sampled: share "
+                               "of passing samples) rose or fell."})
     if rl.get("guard"):
         guard = rl["guard"]
         first, last, regressed = _guard_view(guard)

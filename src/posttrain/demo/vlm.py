@@ -14,7 +14,6 @@ Budgets are steps, so a seed gives the same figures on any machine (the wall tim
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ import torch
 
 from posttrain.config import VLMDemoRecipe, load_recipe
 from posttrain.data import validate_vision_record
-from posttrain.evaluate import ImageSuiteScore, image_suite_json, render_report, score_image_suite
+from posttrain.evaluate import (ImageSuiteScore, image_suite_json, paired_difference, render_report,
+                                score_image_suite)
 from posttrain.models import build_tiny_vlm, train_tokenizer
 from posttrain.rl import image_engine, run_vision_grpo
 from posttrain.tasks import get_domain, sample_tasks
@@ -99,19 +99,12 @@ def run_vlm_demo(recipe: VLMDemoRecipe) -> dict:
 
 
 def paired_gain(before: ImageSuiteScore, after: ImageSuiteScore) -> dict[str, dict]:
-    """Per domain, the change in pass@1 from `before` to `after` on the same held-out items, with its standard
-    error: the items are paired, so the error is the one of the mean per-item difference (d_i in {-1, 0, 1}),
-    sqrt(var(d) / n) -- smaller than two independent pass rates' when most items keep their outcome."""
-    gains = {}
-    for name in after.per_domain:
-        outcome = {case.task_id: case.passed for case in before.cases if case.domain == name}
-        diffs = [int(case.passed) - int(outcome[case.task_id]) for case in after.cases if case.domain == name]
-        n = len(diffs)
-        mean = sum(diffs) / n
-        variance = sum((d - mean) ** 2 for d in diffs) / max(1, n - 1)
-        gains[name] = {"gain": mean, "standard_error": math.sqrt(variance / n), "items": n,
-                       "better": diffs.count(1), "worse": diffs.count(-1)}
-    return gains
+    """Per domain, the change in pass@1 from `before` to `after` on the same held-out items, with its paired
+    standard error (`posttrain.evaluate.paired_difference`)."""
+    def outcomes(score: ImageSuiteScore, name: str) -> dict[str, float]:
+        return {case.task_id: float(case.passed) for case in score.cases if case.domain == name}
+
+    return {name: paired_difference(outcomes(before, name), outcomes(after, name)) for name in after.per_domain}
 
 
 def main(argv: list[str]) -> int:

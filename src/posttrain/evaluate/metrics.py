@@ -28,6 +28,7 @@ wherever it is read. A suite whose every episode failed for infrastructure reaso
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -88,6 +89,30 @@ def outcome_metrics(items: Sequence[ItemEpisodes], ks: Sequence[int] = ()) -> di
     for k in sorted({k for k in ks if k >= 2}):
         figures[f"pass@{k}"] = _sampled_pass_at_k(items, k)
     return figures
+
+
+def item_pass_rates(items: Sequence[ItemEpisodes]) -> dict[str, float]:
+    """Each item's pass@1 by task id: its greedy episode's outcome (0 or 1) when one ran, else the share of its
+    scored samples that passed. An item with nothing scored (infrastructure failures only) is left out."""
+    rates = {}
+    for item in items:
+        scored = _scored([item.greedy] if item.greedy is not None else item.samples)
+        if scored:
+            rates[item.task.id] = sum(float(t.reward.passed) for t in scored) / len(scored)
+    return rates
+
+
+def paired_difference(before: dict[str, float], after: dict[str, float]) -> dict[str, float | int]:
+    """`after` minus `before` on the items both scored (per-item pass rates, e.g. `item_pass_rates` of two
+    checkpoints on one held-out set), with its standard error. The items are paired, so the error is that of the
+    mean per-item difference d_i, sqrt(var(d) / n): smaller than two independent pass rates' when most items keep
+    their outcome. `better` and `worse` count the items whose rate rose and fell."""
+    diffs = [after[key] - before[key] for key in sorted(before.keys() & after.keys())]
+    n = len(diffs)
+    mean = sum(diffs) / n if n else 0.0
+    variance = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return {"gain": mean, "standard_error": math.sqrt(variance / n) if n else 0.0, "items": n,
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
 
 
 def _sampled_pass_at_k(items: Sequence[ItemEpisodes], k: int) -> float | None:
