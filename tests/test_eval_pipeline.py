@@ -4,6 +4,7 @@ checkpoint runs through the engine; the CLI stage and the demo's report stage wr
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,18 @@ def test_scripted_policies_give_the_expected_figures(tmp_path, tiny_tokenizer):
         process["tokens_per_episode"])
     assert all(row["outside_heldout"] == 0 for row in results["hygiene"])
     assert result.figure("rl", "arithmetic") == 1.0
+
+    # the headline checkpoint against the one before, item by item: rl fixes sft's 4 wrong items of 12 (d = 1 on
+    # every third item); on the fresh draw it fixes 3 and breaks 1 (its own wrong first two; sft's first is wrong)
+    paired = results["paired"]
+    assert (paired["checkpoint"], paired["against"]) == ("rl", "sft")
+    held = paired["suites"]["arithmetic"]
+    assert held["gain"] == pytest.approx(4 / 12) and (held["better"], held["worse"], held["items"]) == (4, 0, 12)
+    assert held["standard_error"] == pytest.approx(math.sqrt((4 * (2 / 3) ** 2 + 8 * (1 / 3) ** 2) / 11 / 12))
+    fresh = paired["suites"]["arithmetic (fresh)"]
+    assert fresh["gain"] == pytest.approx(2 / 12) and (fresh["better"], fresh["worse"]) == (3, 1)
+    summary = result.report_path.read_text().split('<section id="summary">')[1].split("</section>")[0]
+    assert f"± {held['standard_error'] * 100:.1f}" in summary.split("held-out pass@1")[1].split("</div></div>")[0]
 
 
 def test_a_tiny_checkpoint_runs_through_the_engine(tmp_path, tiny_tokenizer, tiny_model):

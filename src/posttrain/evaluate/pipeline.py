@@ -38,7 +38,7 @@ from posttrain.evaluate.curves import training_curves
 from posttrain.evaluate.failures import failure_examples
 from posttrain.evaluate.image_report import image_suite_json
 from posttrain.evaluate.images import image_suite_scores
-from posttrain.evaluate.metrics import ItemEpisodes, suite_metrics
+from posttrain.evaluate.metrics import ItemEpisodes, item_pass_rates, paired_difference, suite_metrics
 from posttrain.evaluate.runner import Policy, engine_threads, load_policy, run_items
 from posttrain.evaluate.suites import Suite, build_suites, hygiene, new_fresh_seed
 from posttrain.evaluate.tiers import measure_tier, tier_accuracy, tier_prompts, tier_row, tier_table
@@ -87,21 +87,24 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
             + (" (excluded)" if contamination["excluded"] else ""))
 
     tasks = [task for suite in suites for task in suite.tasks]
-    checkpoints, metrics, examples, images = [], {}, {}, {}
+    checkpoints, metrics, examples, images, rates = [], {}, {}, {}, {}
     for position, checkpoint in enumerate(recipe.checkpoints):
         loading = time.perf_counter()
         policy, first = first or loader(checkpoint.path, recipe.runtime), None
         load_s = first_load_s if position == 0 else time.perf_counter() - loading
         checkpoints.append(_run_checkpoint(checkpoint.name, checkpoint.path, policy, load_s, suites, tasks, recipe,
-                                           metrics, examples, images))
+                                           metrics, examples, images, rates))
         del policy  # one engine in memory at a time
     first = None  # a tier-only eval: loaded for the tokenizer alone
-    tiers = _run_tiers(recipe, loader, suites, tasks, checkpoints, metrics, examples, images)
+    tiers = _run_tiers(recipe, loader, suites, tasks, checkpoints, metrics, examples, images, rates)
+    shown = headline(recipe)
 
     results = {
         "format": FORMAT,
         "title": recipe.report.title,
-        "headline": headline(recipe),
+        "headline": shown,
+        # the headline checkpoint against the one it is compared with, item by item on every suite
+        "paired": paired_suites(shown, rates),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": None,
         "recipe": recipe.model_dump(mode="json"),
@@ -129,11 +132,13 @@ def evaluate(recipe: EvalRecipe, *, suites: Sequence[Suite] | None = None, write
 
 def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites: Sequence[Suite],
                     tasks: list, recipe: EvalRecipe, metrics: dict[str, Any], examples: dict[str, Any],
-                    images: dict[str, Any]) -> dict[str, Any]:
-    """Every suite's episodes for one checkpoint: its metrics, examples and image cases (suites of image tasks:
-    sample images with the answers, per-domain pass@1) filled in, its results row returned."""
+                    images: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
+    """Every suite's episodes for one checkpoint: its metrics, examples, image cases (suites of image tasks:
+    sample images with the answers, per-domain pass@1) and per-item pass rates filled in, its results row
+    returned."""
     items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
     metrics[label], examples[label] = _score(suites, items, recipe)
+    rates[label] = _item_rates(suites, items)
     image_scores = image_suite_scores(suites, items)
     if image_scores:
         images[label] = {name: image_suite_json(score) for name, score in image_scores.items()}
@@ -146,7 +151,7 @@ def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites
 
 def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequence[Suite], tasks: list,
                checkpoints: list[dict[str, Any]], metrics: dict[str, Any], examples: dict[str, Any],
-               images: dict[str, Any]) -> dict[str, Any] | None:
+               images: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any] | None:
     """Each tier evaluated like a checkpoint (its row marked with its kind), then timed (`tiers.measure_tier`)."""
     settings = recipe.tiers
     if not settings.models:
@@ -161,7 +166,7 @@ def _run_tiers(recipe: EvalRecipe, loader: Callable[..., Policy], suites: Sequen
         loading = time.perf_counter()
         policy = loader(tier.path, recipe.runtime, engine=tier.engine)
         row = _run_checkpoint(tier.label, tier.path, policy, time.perf_counter() - loading, suites, tasks, recipe,
-                              metrics, examples, images)
+                              metrics, examples, images, rates)
         checkpoints.append({**row, "tier": tier.kind})
         if not settings.suite:  # safety suites score refusals, not the capability a tier trades for speed
             accuracy_suites = [n for n in accuracy_suites if "safety" not in metrics[tier.label].get(n, {})]
@@ -210,6 +215,25 @@ def _score(suites: Sequence[Suite], items: list[ItemEpisodes], recipe: EvalRecip
         examples[suite.name] = failure_examples([t for item in mine for t in item.primary],
                                                 recipe.report.transcripts_per_class)
     return metrics, examples
+
+
+def _item_rates(suites: Sequence[Suite], items: list[ItemEpisodes]) -> dict[str, dict[str, float]]:
+    rates, start = {}, 0
+    for suite in suites:
+        rates[suite.name] = item_pass_rates(items[start:start + len(suite.tasks)])
+        start += len(suite.tasks)
+    return rates
+
+
+def paired_suites(shown: dict[str, str | None], rates: dict[str, Any]) -> dict[str, Any] | None:
+    """The headline checkpoint against the one it is compared with, per suite on the items both scored: the
+    pass@1 difference with its paired standard error (`paired_difference`). None without a checkpoint to compare."""
+    checkpoint, against = shown["checkpoint"], shown["against"]
+    if against is None or checkpoint not in rates or against not in rates:
+        return None
+    return {"checkpoint": checkpoint, "against": against,
+            "suites": {name: paired_difference(rates[against].get(name, {}), after)
+                       for name, after in rates[checkpoint].items()}}
 
 
 def fresh_gap(suites: Sequence[Suite], metrics: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from a model, a dataset or a file name is escaped (`html.escape`) before it is w
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from string import Template
 from typing import Any, Iterable
@@ -120,18 +121,22 @@ def _summary(view: _View) -> str:
 
     cards = []
     specs = [
-        ("held-out pass@1", capability, view.overall, True),
-        ("fresh-draw pass@1", fresh, view.overall, True),
-        ("refusal accuracy", heldout_safety, safety("refusal_accuracy"), True),
-        ("over-refusal", heldout_safety, safety("over_refusal_rate"), False),
+        ("held-out pass@1", capability, view.overall, True, True),  # last: pass@1, so paired errors apply
+        ("fresh-draw pass@1", fresh, view.overall, True, True),
+        ("refusal accuracy", heldout_safety, safety("refusal_accuracy"), True, False),
+        ("over-refusal", heldout_safety, safety("over_refusal_rate"), False, False),
     ]
-    for title, names, getter, higher in specs:
+    paired = view.results.get("paired") or {}
+    paired = paired["suites"] if (paired.get("checkpoint"), paired.get("against")) == (last, previous) else {}
+    for title, names, getter, higher, is_pass_rate in specs:
         if not names:
             continue
         value = view.mean_over(last, names, getter)
         before = view.mean_over(previous, names, getter) if previous else None
         change = _delta(value, before, higher) if previous else ""
-        detail = f"vs {_e(previous)} {change}" if previous else f"{len(names)} suite(s)"
+        error = _mean_error([paired.get(n) for n in names]) if is_pass_rate else None
+        detail = (f"vs {_e(previous)} {change}" + (f" ± {error * 100:.1f}" if error is not None else "")
+                  if previous else f"{len(names)} suite(s)")
         cards.append(_card(title, _pct(value), detail))
     contamination = view.results.get("contamination", {})
     cards.append(_card("contaminated items", str(contamination.get("count", 0)),
@@ -145,8 +150,17 @@ def _summary(view: _View) -> str:
     chart = _pass_chart(view)
     which = "the headline checkpoint" if chosen.get("checkpoint") and last != view.labels[-1] else "the last checkpoint"
     lead = f"Figures of {which}, <b>{_e(last)}</b>" + (
-        f", with the change from <b>{_e(previous)}</b> (percentage points)." if previous else ".")
+        f", with the change from <b>{_e(previous)}</b> (percentage points; ± one standard error of the change, "
+        "paired item by item: a change within two is noise)." if previous else ".")
     return _section("summary", "Summary", lead, f'<div class="cards">{"".join(cards)}</div>{chart}')
+
+
+def _mean_error(pairs: list[dict[str, Any] | None]) -> float | None:
+    """The standard error of a mean over suites of paired differences (different items: independent), or None
+    when a suite has no paired figure."""
+    if not pairs or any(p is None or not p.get("items") for p in pairs):
+        return None
+    return math.sqrt(sum(p["standard_error"] ** 2 for p in pairs)) / len(pairs)
 
 
 def _pass_chart(view: _View) -> str:
