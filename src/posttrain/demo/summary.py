@@ -164,12 +164,15 @@ def report_tables(summary: dict[str, Any], samples: int, temperature: float) -> 
                                "(6N), so equivalents = sampled / 3 + trained; the control's steps are chosen to match "
                                "RL's equivalents."})
     if summary.get("comparisons"):
-        rows = [[f"{c['after']} - {c['before']}", domain, kind, _points(g), g["items"], g["better"], g["worse"]]
-                for c in summary["comparisons"]
-                for kind, by_domain in (("greedy", c["greedy"]), ("sampled pass@1", c["sampled"]))
-                for domain, g in sorted(by_domain.items())]
-        rows += [[f"{c['after']} - {c['before']}", f"mean of {c['mean']['domains']}", "greedy", _points(c["mean"]),
-                  None, None, None] for c in summary["comparisons"] if c["mean"]]
+        rows = []
+        for c in summary["comparisons"]:  # a comparison's domains, their mean, then its sampled domains
+            name = f"{c['after']} - {c['before']}"
+            rows += [[name, domain, "greedy", _points(g), g["items"], g["better"], g["worse"]]
+                     for domain, g in sorted(c["greedy"].items())]
+            if c["mean"]:
+                rows.append([name, f"mean of {c['mean']['domains']}", "greedy", _points(c["mean"]), None, None, None])
+            rows += [[name, domain, "sampled pass@1", _points(g), g["items"], g["better"], g["worse"]]
+                     for domain, g in sorted(c["sampled"].items())]
         tables.append({"title": "Stage against stage, item by item", "rows": rows,
                        "head": ["comparison", "domain", "pass rate", "difference (points, ± one standard error)",
                                 "items", "better", "worse"],
