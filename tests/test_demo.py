@@ -296,3 +296,17 @@ def test_stage_comparisons_pair_the_items_and_combine_the_domains_errors():
     assert code["standard_error"] == pytest.approx((0.25 / 4) ** 0.5) and maths["standard_error"] == 0.0
     assert c["mean"]["gain"] == pytest.approx(0.125) and c["mean"]["standard_error"] == pytest.approx(0.125)
     assert c["sampled"]["code"]["gain"] == pytest.approx(0.0625)
+
+
+def test_the_summary_names_the_differences_beyond_two_standard_errors(capsys):
+    from posttrain.demo.summary import print_details
+
+    def pair(gain, error):
+        return {"gain": gain, "standard_error": error, "items": 100, "better": 1, "worse": 1}
+
+    comparison = {"after": "rl", "before": "sft_control", "greedy": {"code": pair(-0.05, 0.048)},
+                  "sampled": {"code": pair(-0.09, 0.033)}, "mean": {"gain": -0.018, "standard_error": 0.012,
+                                                                    "domains": 6}}
+    print_details({"stages": {}, "comparisons": [comparison]})
+    line = next(line for line in capsys.readouterr().err.splitlines() if "rl - sft_control" in line)  # say: stderr
+    assert line.endswith("beyond two standard errors: code sampled pass@1 -9.0 ± 3.3")

@@ -44,11 +44,13 @@ def _points(figures: dict[str, Any]) -> str:
 
 def _print_comparisons(comparisons: list[dict[str, Any]]) -> None:
     for c in comparisons:
-        parts = [f"{domain} {_points(g)}" for domain, g in sorted(c["greedy"].items())]
-        parts += [f"{domain} sampled pass@1 {_points(g)}" for domain, g in sorted(c["sampled"].items())]
-        mean = f"; mean of {c['mean']['domains']} {_points(c['mean'])}" if c["mean"] else ""
+        named = [(domain, g) for domain, g in sorted(c["greedy"].items())]
+        named += [(f"{domain} sampled pass@1", g) for domain, g in sorted(c["sampled"].items())]
+        named += [(f"mean of {c['mean']['domains']}", c["mean"])] if c["mean"] else []
+        measured = [f"{name} {_points(g)}" for name, g in named if abs(g["gain"]) > 2 * g["standard_error"]]
         say(f"[demo] {c['after']} - {c['before']}, item by item (points, ± one standard error): "
-            f"{', '.join(parts)}{mean}")
+            + ", ".join(f"{name} {_points(g)}" for name, g in named)
+            + f"; beyond two standard errors: {', '.join(measured) or 'none'}")
 
 
 def print_details(summary: dict[str, Any]) -> None:
