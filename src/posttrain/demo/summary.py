@@ -4,7 +4,6 @@ stage against the one it is measured against, item by item (`stage_comparisons`)
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from posttrain.tracking import console, say
@@ -17,9 +16,8 @@ COMPARISONS = [("rl", "sft"), ("rl", "sft_control"), ("sft_control", "sft"), ("d
 def stage_comparisons(items: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each pair of `COMPARISONS` whose stages both left their held-out items (`read_item_rates`): per domain the
     greedy difference on the same items with its paired standard error (`paired_difference`), the same for the
-    sampled pass@1 of the sampled domains, and the mean over the domains (the mean's error from the domains'
-    errors: different items, independent)."""
-    from posttrain.evaluate import paired_difference
+    sampled pass@1 of the sampled domains, and the mean over the domains (`pooled_difference`)."""
+    from posttrain.evaluate import paired_difference, pooled_difference
 
     found = []
     for after, before in COMPARISONS:
@@ -30,9 +28,9 @@ def stage_comparisons(items: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         greedy = {domain: figures for domain, figures in greedy.items() if figures["items"]}
         sampled = {domain: paired_difference(items[before]["sampled"].get(domain, {}), rates)
                    for domain, rates in items[after]["sampled"].items()}
-        mean = ({"gain": sum(g["gain"] for g in greedy.values()) / len(greedy), "domains": len(greedy),
-                 "standard_error": math.sqrt(sum(g["standard_error"] ** 2 for g in greedy.values())) / len(greedy)}
-                if greedy else None)
+        pooled = pooled_difference(list(greedy.values()))
+        mean = {"gain": pooled["gain"], "standard_error": pooled["standard_error"], "domains": pooled["count"]} \
+            if pooled else None
         found.append({"after": after, "before": before, "greedy": greedy, "mean": mean,
                       "sampled": {domain: figures for domain, figures in sampled.items() if figures["items"]}})
     return found

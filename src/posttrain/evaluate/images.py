@@ -25,6 +25,7 @@ from posttrain.chat import IMAGE_PART_TYPES, first_image_message, render_chat
 from posttrain.data import VisionSample, validate_vision_record
 from posttrain.envs import EnvError
 from posttrain.evaluate.metrics import ItemEpisodes
+from posttrain.evaluate.suites import by_suite
 from posttrain.models import vision_request
 from posttrain.tasks import png_data_url
 from posttrain.types import Completion, Reward, SamplingParams, Task, Trajectory
@@ -143,10 +144,8 @@ def image_suite_scores(suites: Sequence[Any], items: Sequence[ItemEpisodes]) -> 
     """The eval recipe's image suites (those whose tasks hold an image) scored from their episodes (`items`, in
     suite order as `run_items` returns them): each item's first episode (the greedy one when run) as a case.
     An item whose episode failed on infrastructure counts as not passed, with its error as the answer."""
-    scores, start = {}, 0
-    for suite in suites:
-        mine = items[start:start + len(suite.tasks)]
-        start += len(suite.tasks)
+    scores = {}
+    for suite, mine in by_suite(suites, items):
         cases = []
         for item in mine:
             if first_image_message(item.task.messages) is None or not item.primary:

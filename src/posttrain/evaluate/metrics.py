@@ -115,6 +115,16 @@ def paired_difference(before: dict[str, float], after: dict[str, float]) -> dict
             "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
 
 
+def pooled_difference(differences: Sequence[dict[str, Any]]) -> dict[str, float | int] | None:
+    """The mean of `paired_difference`s over different item sets (suites, domains, seeds) and its standard error,
+    sqrt(sum of their squared errors) / count: different items, independent. None when there is none."""
+    if not differences:
+        return None
+    count = len(differences)
+    return {"gain": sum(d["gain"] for d in differences) / count, "count": count,
+            "standard_error": math.sqrt(sum(d["standard_error"] ** 2 for d in differences)) / count}
+
+
 def _sampled_pass_at_k(items: Sequence[ItemEpisodes], k: int) -> float | None:
     values = []
     for item in items:

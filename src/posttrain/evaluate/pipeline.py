@@ -40,7 +40,7 @@ from posttrain.evaluate.image_report import image_suite_json
 from posttrain.evaluate.images import image_suite_scores
 from posttrain.evaluate.metrics import ItemEpisodes, item_pass_rates, paired_difference, suite_metrics
 from posttrain.evaluate.runner import Policy, engine_threads, load_policy, run_items
-from posttrain.evaluate.suites import Suite, build_suites, hygiene, new_fresh_seed
+from posttrain.evaluate.suites import Suite, build_suites, by_suite, hygiene, new_fresh_seed
 from posttrain.evaluate.tiers import measure_tier, tier_accuracy, tier_prompts, tier_row, tier_table
 from posttrain.tracking import say
 
@@ -138,7 +138,7 @@ def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites
     returned."""
     items, stats = run_items(policy, tasks, recipe.sampling, recipe.runtime)
     metrics[label], examples[label] = _score(suites, items, recipe)
-    rates[label] = _item_rates(suites, items)
+    rates[label] = {suite.name: item_pass_rates(mine) for suite, mine in by_suite(suites, items)}
     image_scores = image_suite_scores(suites, items)
     if image_scores:
         images[label] = {name: image_suite_json(score) for name, score in image_scores.items()}
@@ -207,22 +207,12 @@ def write_results(results: dict[str, Any], output_dir: Path, results_name: str =
 
 def _score(suites: Sequence[Suite], items: list[ItemEpisodes], recipe: EvalRecipe
            ) -> tuple[dict[str, Any], dict[str, Any]]:
-    metrics, examples, start = {}, {}, 0
-    for suite in suites:
-        mine = items[start:start + len(suite.tasks)]
-        start += len(suite.tasks)
+    metrics, examples = {}, {}
+    for suite, mine in by_suite(suites, items):
         metrics[suite.name] = suite_metrics(mine, recipe.sampling.k if recipe.sampling.n else ())
         examples[suite.name] = failure_examples([t for item in mine for t in item.primary],
                                                 recipe.report.transcripts_per_class)
     return metrics, examples
-
-
-def _item_rates(suites: Sequence[Suite], items: list[ItemEpisodes]) -> dict[str, dict[str, float]]:
-    rates, start = {}, 0
-    for suite in suites:
-        rates[suite.name] = item_pass_rates(items[start:start + len(suite.tasks)])
-        start += len(suite.tasks)
-    return rates
 
 
 def paired_suites(shown: dict[str, str | None], rates: dict[str, Any]) -> dict[str, Any] | None:

@@ -14,14 +14,13 @@ from a model, a dataset or a file name is escaped (`html.escape`) before it is w
 from __future__ import annotations
 
 import json
-import math
 from importlib import resources
 from string import Template
 from typing import Any, Iterable
 
 from posttrain.evaluate.failures import FAILURE_LABELS
 from posttrain.evaluate.image_report import _e, _pct, image_section
-from posttrain.evaluate.metrics import FAILURE_CLASSES
+from posttrain.evaluate.metrics import FAILURE_CLASSES, pooled_difference
 from posttrain.evaluate.svg import bar_chart, color, heat_map, line_chart, scatter_chart, stacked_bars
 
 FAILURE_COLORS = {"format": "#B279A2", "wrong_answer": "#E45756", "tool_error": "#F58518", "timeout": "#EECA3B",
@@ -156,11 +155,11 @@ def _summary(view: _View) -> str:
 
 
 def _mean_error(pairs: list[dict[str, Any] | None]) -> float | None:
-    """The standard error of a mean over suites of paired differences (different items: independent), or None
-    when a suite has no paired figure."""
+    """The standard error of a mean over suites of paired differences (`pooled_difference`), or None when a suite
+    has no paired figure."""
     if not pairs or any(p is None or not p.get("items") for p in pairs):
         return None
-    return math.sqrt(sum(p["standard_error"] ** 2 for p in pairs)) / len(pairs)
+    return pooled_difference(pairs)["standard_error"]
 
 
 def _pass_chart(view: _View) -> str:

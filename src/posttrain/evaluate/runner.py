@@ -29,7 +29,7 @@ from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RopeScaling
 from posttrain.models import wants_vision
 from posttrain.evaluate.errors import EvalError
 from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
-from posttrain.evaluate.suites import Suite
+from posttrain.evaluate.suites import Suite, by_suite
 from posttrain.types import SamplingParams, Task, Trajectory
 
 
@@ -188,11 +188,7 @@ class SuiteEvaluator:
 
 def score_suites(suites: Sequence[Suite], items: Sequence[ItemEpisodes]) -> dict[str, SuiteScore]:
     """`items` (in suite order, as `run_items` returns them for the suites' tasks) scored per suite."""
-    scores, start = {}, 0
-    for suite in suites:
-        scores[suite.name] = SuiteScore.of(items[start:start + len(suite.tasks)])
-        start += len(suite.tasks)
-    return scores
+    return {suite.name: SuiteScore.of(mine) for suite, mine in by_suite(suites, items)}
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from posttrain.config import DatasetSuite, EvalRecipe, GeneratedSuite, RegressionSuite
 from posttrain.evaluate.errors import EvalError
@@ -154,6 +154,14 @@ def hygiene(suites: Sequence[Suite]) -> list[dict[str, Any]]:
         rows.append({"suite": suite.name, "items": len(keys), "outside_heldout": len(outside),
                      "examples": [str(k) for k in outside[:3]]})
     return rows
+
+
+def by_suite(suites: Sequence[Any], items: Sequence[Any]) -> Iterator[tuple[Any, list[Any]]]:
+    """Each suite with its items: `items` come in suite order, as `run_items` returns them for the suites' tasks."""
+    start = 0
+    for suite in suites:
+        yield suite, list(items[start:start + len(suite.tasks)])
+        start += len(suite.tasks)
 
 
 def new_fresh_seed() -> int:

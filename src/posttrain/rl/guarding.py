@@ -57,6 +57,9 @@ def suite_evaluator(recipe: RLRecipe, suites: list[Suite], model, tokenizer, run
                           sampling=sampling, runtime=eval_runtime, device=runtime.device.type, renderer=renderer)
 
 
+EVAL_PREFIXES = ("heldout/", "regression/", "eval/")  # the keys `eval_metrics_of` logs: an evaluation's figures
+
+
 def eval_metrics_of(recipe: RLRecipe, scores: dict[str, SuiteScore]) -> dict[str, float]:
     """``heldout/<domain>`` and ``heldout/mean`` for the domains' suites, ``regression/<name>`` for the general
     ones (pass rates over scored episodes; a suite with none scored has none), ``eval/infra_failures[/<suite>]``."""

@@ -83,7 +83,8 @@ from posttrain.rl.pipeline import (
     sampling_params,
     select_trainable,
 )
-from posttrain.rl.guarding import EvaluateFn, RunGuard, eval_metrics_of, regression_suites, suite_evaluator
+from posttrain.rl.guarding import (EVAL_PREFIXES, EvaluateFn, RunGuard, eval_metrics_of, regression_suites,
+                                  suite_evaluator)
 from posttrain.rl.update import PolicyTrainer
 from posttrain.rl.vision import ProcessorRenderer, load_vision_policy, wants_vision
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
@@ -104,7 +105,6 @@ from posttrain.usercode import import_all
 EPISODES_FILE = "episodes.jsonl"
 EVENTS_FILE = "schedule_events.jsonl"
 SUMMARY_FILE = "schedule_summary.json"
-EVAL_PREFIXES = ("heldout/", "regression/", "eval/")  # what eval_metrics_of logs: an evaluation's figures
 CORPUS_TASKS_PER_DOMAIN = 64  # tasks per domain whose text trains a fresh built-in model's tokenizer
 
 
