@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import filecmp
 import json
 from collections import Counter
 
@@ -113,6 +114,19 @@ def test_every_stage_runs_records_its_figures_and_resumes(tmp_path):
         before_k = stages[before]["pass_at_k_by_level"]["calculator"][level]
         assert c["sampled"]["calculator"]["gain"] == pytest.approx(after_k["pass@1"] - before_k["pass@1"])
         assert f"<td>{after} - {before}</td><td>calculator</td><td>greedy</td>" in runs
+    # the report's episodes on the fixed held-out sets are the stages' own (the episode cache): none sampled
+    # again, and the same figures; only the fresh draws and the generated safety suites are new. The toy RL has
+    # no reward signal (every group all wrong), so its checkpoint holds SFT's very weights: the cache, keyed by
+    # the files' content, then serves it SFT's episodes on every suite.
+    results = json.loads((tmp_path / "run" / "report.json").read_text())
+    rows = {row["label"]: row for row in results["checkpoints"]}
+    unchanged = all(filecmp.cmp(f, tmp_path / "run" / "rl" / "final" / f.name, shallow=False)
+                    for f in (tmp_path / "run" / "sft" / "final").iterdir() if f.is_file())
+    for label, row in rows.items():
+        cached = row["items"] if label == "rl" and unchanged else 40 + 8
+        assert (row["cached_episodes"], row["episodes"]) == (cached, row["items"] - cached), label
+        for domain, rate in stages[label]["heldout"].items():
+            assert results["metrics"][label][domain]["overall"]["pass@1"] == pytest.approx(rate)
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     again = run_demo(recipe, resume=True)  # every stage finished: nothing runs twice
     assert again == summary

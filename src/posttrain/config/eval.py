@@ -147,6 +147,10 @@ class EvalRuntime(Section):
     # keeps queueing from being reported as the model's timeout.
     timeout_scale: float = Field(1.0, gt=0)
     speculative: SpeculativeConfig = SpeculativeConfig()  # speculative decoding in the engine (docs/tiers.md)
+    # A directory for the episode cache: an item's episodes already sampled for an unchanged checkpoint (same
+    # files, device, precision, engine) under the same sampling are reused, not sampled again
+    # (posttrain.evaluate.cache; a changed verifier of your own under the same name means clearing it). Unset: off.
+    episode_cache: str | None = None
 
 
 class EvalTrainingRun(Section):

@@ -11,27 +11,37 @@ from typing import Any, Sequence
 from posttrain.types import Task, Trajectory
 
 ITEMS_FILE = "heldout_items.json"  # in a stage's directory: every held-out item's outcome, for paired comparisons
+EPISODE_CACHE = "episode_cache"  # in the demo's directory: the stages' held-out episodes, which the report reuses
+# Episodes wait for their batch on a shared 2-core CPU; queueing is not the model's timeout. The stages and the
+# report use the same scale, so the report's episodes on the fixed held-out sets are the stages' (the cache's key
+# holds each task's timeout).
+TIMEOUT_SCALE = 3.0
 
 
 def heldout_accuracy(model_dir: Path, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
-                     device: str = "cpu") -> tuple[dict[str, float], list[Trajectory]]:
-    """Greedy pass rate (pass@1) per domain of the model at `model_dir` over `tasks`, and the trajectories."""
+                     device: str = "cpu", episode_cache: str | None = None, timeout_scale: float = 1.0
+                     ) -> tuple[dict[str, float], list[Trajectory]]:
+    """Greedy pass rate (pass@1) per domain of the model at `model_dir` over `tasks`, and the trajectories
+    (episodes kept in and reused from `episode_cache` when given: `posttrain.evaluate.cache`)."""
     from posttrain.config import EvalRuntime
     from posttrain.evaluate import load_policy
 
     policy = load_policy(model_dir, EvalRuntime(device=device, batch_size=batch_size))
-    return policy_accuracy(policy, tasks, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device)
+    return policy_accuracy(policy, tasks, max_new_tokens=max_new_tokens, batch_size=batch_size, device=device,
+                           episode_cache=episode_cache, timeout_scale=timeout_scale)
 
 
 def policy_accuracy(policy, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
-                    device: str = "cpu") -> tuple[dict[str, float], list[Trajectory]]:
+                    device: str = "cpu", episode_cache: str | None = None, timeout_scale: float = 1.0
+                    ) -> tuple[dict[str, float], list[Trajectory]]:
     """`heldout_accuracy` for an already loaded `posttrain.evaluate.Policy` (e.g. one kept up to date with a
-    model in training through `engine.update_weights`)."""
+    model in training through `engine.update_weights`: its `settings` must then be None, so nothing is cached
+    under the checkpoint it was loaded from)."""
     from posttrain.config import EvalRuntime, EvalSampling
     from posttrain.evaluate import ItemEpisodes, outcome_metrics, run_items
 
     items, _ = run_items(policy, list(tasks), EvalSampling(max_new_tokens=max_new_tokens), EvalRuntime(
-        device=device, batch_size=batch_size))
+        device=device, batch_size=batch_size, episode_cache=episode_cache, timeout_scale=timeout_scale))
     by_domain: dict[str, list[ItemEpisodes]] = defaultdict(list)
     for item in items:
         by_domain[item.task.domain].append(item)
@@ -49,7 +59,8 @@ def accuracy_by_level(trajectories: Sequence[Trajectory]) -> dict[str, dict[str,
 
 
 def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Sequence[int], max_new_tokens: int,
-                      temperature: float, seed: int, batch_size: int = 64, device: str = "cpu"
+                      temperature: float, seed: int, batch_size: int = 64, device: str = "cpu",
+                      episode_cache: str | None = None, timeout_scale: float = 1.0
                       ) -> tuple[dict[str, dict[str, dict[str, float | None]]], dict[str, dict[str, float]]]:
     """pass@1 and pass@k (unbiased, from `n` sampled episodes per item at `temperature`) per domain and level,
     {"code": {"1": {"pass@1": 0.31, "pass@4": 0.55}}}, and each item's share of passing samples per domain,
@@ -59,7 +70,8 @@ def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Seq
 
     if not tasks:
         return {}, {}
-    runtime = EvalRuntime(device=device, batch_size=batch_size)
+    runtime = EvalRuntime(device=device, batch_size=batch_size, episode_cache=episode_cache,
+                          timeout_scale=timeout_scale)
     sampling = EvalSampling(max_new_tokens=max_new_tokens, greedy=False, n=n, k=sorted({1, *ks}),
                             temperature=temperature, seed=seed)
     items, _ = run_items(load_policy(model_dir, runtime), list(tasks), sampling, runtime)

@@ -19,6 +19,7 @@ from typing import Any
 
 from posttrain.config import EvalRecipe
 from posttrain.demo.base import SFT_FILE, heldout_file
+from posttrain.demo.evaluation import EPISODE_CACHE, TIMEOUT_SCALE
 from posttrain.demo.pipeline import DemoRun, demo_stage
 from posttrain.demo.summary import report_tables
 from posttrain.tracking import say
@@ -30,8 +31,6 @@ SAFETY = "safety"
 SAFETY_LEVELS = [1, 2, 3]
 SAFETY_ITEMS = 100
 PREFERENCE_PATTERNS = ("*pairs*.jsonl", "*preference*.jsonl")
-# Episodes wait for their batch on a shared 2-core CPU; queueing is not the model's timeout.
-TIMEOUT_SCALE = 3.0
 
 
 @demo_stage("report")
@@ -65,7 +64,9 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
         "sampling": {"max_new_tokens": run.recipe.eval.max_new_tokens},
         "contamination": {"sft": sft, "preferences": [{"path": p} for p in pairs], "rl_episodes": episodes},
         "fresh_draw": {"seed": run.recipe.seed + 7919},
-        "runtime": {"batch_size": run.recipe.eval.batch_size, "timeout_scale": TIMEOUT_SCALE},
+        # the fixed held-out sets' episodes come from the stages' own evaluations (the episode cache)
+        "runtime": {"batch_size": run.recipe.eval.batch_size, "timeout_scale": TIMEOUT_SCALE,
+                    "episode_cache": str(root / EPISODE_CACHE)},
         "report": {"title": "posttrain demo: every stage on the tiny model", "training_runs": curves,
                    "tables": report_tables(run.summary, run.recipe.eval.pass_k_samples, run.recipe.eval.temperature),
                    **delivered_headline(run, stages)},

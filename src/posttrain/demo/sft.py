@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.demo.base import SFT_FILE, load_heldout, load_validation
-from posttrain.demo.evaluation import (accuracy_by_level, greedy_pass_rates, heldout_accuracy, policy_accuracy,
-                                      sampled_pass_at_k, write_item_rates)
+from posttrain.demo.evaluation import (EPISODE_CACHE, TIMEOUT_SCALE, accuracy_by_level, greedy_pass_rates,
+                                      heldout_accuracy, policy_accuracy, sampled_pass_at_k, write_item_rates)
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 
 
@@ -30,9 +30,10 @@ def sft(run: DemoRun) -> dict[str, Any]:
 
 def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
     """A stage's summary entry: held-out accuracy per domain and per level, and its own figures."""
+    cache = {"episode_cache": str(run.root / EPISODE_CACHE), "timeout_scale": TIMEOUT_SCALE}  # the report reuses them
     accuracy, trajectories = heldout_accuracy(model_dir, load_heldout(run),
                                               max_new_tokens=run.recipe.eval.max_new_tokens,
-                                              batch_size=run.recipe.eval.batch_size)
+                                              batch_size=run.recipe.eval.batch_size, **cache)
     if "seconds" in figures:
         figures["seconds"] = round(figures["seconds"], 1)
     settings = run.recipe.eval
@@ -40,7 +41,7 @@ def evaluate_stage(run: DemoRun, model_dir, **figures: Any) -> dict[str, Any]:
     if settings.pass_k_samples and sampled:
         figures["pass_at_k_by_level"], sampled_rates = sampled_pass_at_k(
             model_dir, sampled, n=settings.pass_k_samples, ks=settings.pass_k, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, seed=run.recipe.seed, batch_size=settings.batch_size)
+            temperature=settings.temperature, seed=run.recipe.seed, batch_size=settings.batch_size, **cache)
     write_item_rates(Path(model_dir).parent, greedy_pass_rates(trajectories), sampled_rates)  # <stage>/final -> <stage>
     return {"heldout": accuracy, "heldout_by_level": accuracy_by_level(trajectories), **figures}
 
@@ -59,6 +60,7 @@ def validation_accuracy(run: DemoRun) -> Callable[[Any], dict[str, float]] | Non
 
     policy = load_policy(run.base_dir, EvalRuntime(batch_size=run.recipe.eval.batch_size),
                          rope_scaling=run.recipe.sft.model.rope_scaling)
+    policy.settings = None  # its weights become the model's in training: never the base checkpoint's episodes
     version = iter(range(1, 1 << 30))
 
     def evaluate(model) -> dict[str, float]:

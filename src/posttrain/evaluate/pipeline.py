@@ -142,10 +142,12 @@ def _run_checkpoint(label: str, path: str, policy: Policy, load_s: float, suites
     image_scores = image_suite_scores(suites, items)
     if image_scores:
         images[label] = {name: image_suite_json(score) for name, score in image_scores.items()}
-    say(f"[eval] {label}: {stats.episodes} episodes in {stats.seconds:.1f}s")
+    cached = f" ({stats.cached_episodes} more from the episode cache)" if stats.cached_episodes else ""
+    say(f"[eval] {label}: {stats.episodes} episodes in {stats.seconds:.1f}s{cached}")
+    # items/s counts the items this run sampled: one whose episodes all came from the cache took no time here
     return {"label": label, "path": path, "seconds": round(stats.seconds, 2), "load_seconds": round(load_s, 2),
-            "episodes": stats.episodes, "items": len(tasks),
-            "items_per_s": round(len(tasks) / stats.seconds, 2) if stats.seconds else None,
+            "episodes": stats.episodes, "cached_episodes": stats.cached_episodes, "items": len(tasks),
+            "items_per_s": round(stats.items_run / stats.seconds, 2) if stats.seconds and stats.items_run else None,
             "policy_tokens": stats.policy_tokens}
 
 

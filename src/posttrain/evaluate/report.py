@@ -144,8 +144,10 @@ def _summary(view: _View) -> str:
     failures = sum(sum(view.suite(last, s["name"]).get("failures", {}).values()) for s in view.suites)
     cards.append(_card("failed episodes", str(failures), f"{_e(last)}, every suite"))
     checkpoint = view.results["checkpoints"][view.labels.index(last)]
-    cards.append(_card("items / s", f'{checkpoint.get("items_per_s") or 0:.1f}',
-                       f'{checkpoint.get("items", 0)} items in {checkpoint.get("seconds", 0):.1f}s'))
+    cached = checkpoint.get("cached_episodes") or 0
+    cards.append(_card("items / s", _num(checkpoint.get("items_per_s"), 1),
+                       f'{checkpoint.get("items", 0)} items in {checkpoint.get("seconds", 0):.1f}s'
+                       + (f" · {cached} episodes from the cache" if cached else "")))
     chart = _pass_chart(view)
     which = "the headline checkpoint" if chosen.get("checkpoint") and last != view.labels[-1] else "the last checkpoint"
     lead = f"Figures of {which}, <b>{_e(last)}</b>" + (
@@ -545,9 +547,10 @@ def _ratio(value: float | None) -> str:
 
 def _settings(view: _View) -> str:
     results = view.results
-    table = _table(["checkpoint", "path", "items", "episodes", "seconds", "items / s", "load s"], [
+    table = _table(["checkpoint", "path", "items", "episodes", "cached", "seconds", "items / s", "load s"], [
         [f'<i class="dot" style="background:{view.colors[c["label"]]}"></i> {_e(c["label"])}', _e(c["path"]),
-         str(c.get("items", "")), str(c.get("episodes", "")), _num(c.get("seconds"), 1),
+         str(c.get("items", "")), str(c.get("episodes", "")), str(c.get("cached_episodes") or 0),
+         _num(c.get("seconds"), 1),
          _num(c.get("items_per_s"), 1), _num(c.get("load_seconds"), 1)] for c in results.get("checkpoints", [])],
         text_columns=(1,))
     sampling = _e(json.dumps(results.get("sampling", {})))

@@ -42,14 +42,19 @@ class Policy:
     path: str
     device: str = "cpu"
     renderer: Any = None  # image prompts: an `envs.PromptRenderer` (a vision-language model's processor)
+    # How the checkpoint is run (device, precision, engine settings): with its files, the episode cache's key.
+    # None: episodes of this policy are never cached (a model still training, a vision-language checkpoint).
+    settings: dict[str, Any] | None = None
 
 
 @dataclass
 class RunStats:
     seconds: float
-    episodes: int
+    episodes: int  # sampled in this run (not those taken from the episode cache)
     policy_tokens: int
     threads: int = 0  # torch threads the engine ran with
+    cached_episodes: int = 0  # taken from the episode cache
+    items_run: int = 0  # items with at least one episode sampled in this run
 
     @property
     def episodes_per_s(self) -> float:
@@ -90,7 +95,10 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
                          **engine.options)
     except TypeError as error:  # an option this engine does not take
         raise EvalError(f"checkpoint {path}: engine.options: {error}") from None
-    return Policy(built, tokenizer, str(path), device.type)
+    settings = {"device": device.type, "autocast": str(autocast_dtype(settings, device)),
+                "engine": engine.model_dump(mode="json"), "speculative": spec.model_dump(mode="json"),
+                "rope_scaling": rope_scaling.model_dump(mode="json") if rope_scaling else None}
+    return Policy(built, tokenizer, str(path), device.type, settings=settings)
 
 
 def load_vision_checkpoint(path: str | Path, runtime: EvalRuntime, engine: TierEngine | None = None) -> Policy:
@@ -121,24 +129,87 @@ def load_vision_checkpoint(path: str | Path, runtime: EvalRuntime, engine: TierE
 
 def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | None = None,
               runtime: EvalRuntime | None = None) -> tuple[list[ItemEpisodes], RunStats]:
-    """Every task's greedy episode and `sampling.n` sampled ones; items in task order."""
+    """Every task's greedy episode and `sampling.n` sampled ones; items in task order. With
+    `runtime.episode_cache` set, an item's episodes already sampled for this checkpoint come from the cache and
+    only the rest are sampled (`posttrain.evaluate.cache`)."""
     sampling = sampling or EvalSampling()
     runtime = runtime or EvalRuntime()
     tasks = [_scaled(task, runtime.timeout_scale) for task in tasks]
+    cached = _CachedRun.open(policy, runtime, sampling, tasks)
+    greedy_todo = [i for i in range(len(tasks)) if sampling.greedy and cached.greedy[i] is None]
+    sampled_todo = [i for i in range(len(tasks)) if sampling.n and cached.sampled[i] is None]
     with engine_threads(policy, runtime) as threads:
         started = time.perf_counter()
-        greedy, samples = asyncio.run(_collect(policy, tasks, sampling, runtime))
+        greedy, samples = asyncio.run(_collect(policy, [tasks[i] for i in greedy_todo],
+                                               [tasks[i] for i in sampled_todo], sampling, runtime))
         seconds = time.perf_counter() - started
+    fresh = (greedy or []) + (samples or [])
+    cached.store(greedy_todo, greedy, sampled_todo, samples, sampling.n)
     items = []
     for index, task in enumerate(tasks):
-        items.append(ItemEpisodes(task, greedy[index] if greedy else None,
-                                  samples[index * sampling.n:(index + 1) * sampling.n] if samples else []))
-    every = (greedy or []) + (samples or [])
-    return items, RunStats(seconds, len(every), sum(t.policy_tokens for t in every), threads)
+        items.append(ItemEpisodes(task, cached.greedy[index] if sampling.greedy else None,
+                                  cached.sampled[index] if sampling.n else []))
+    return items, RunStats(seconds, len(fresh), sum(t.policy_tokens for t in fresh), threads,
+                           cached_episodes=cached.hits, items_run=len(set(greedy_todo) | set(sampled_todo)))
 
 
-async def _collect(policy: Policy, tasks: list[Task], sampling: EvalSampling, runtime: EvalRuntime
-                   ) -> tuple[list[Trajectory] | None, list[Trajectory] | None]:
+class _CachedRun:
+    """The episode cache's side of one `run_items` call: each item's cached greedy episode and sampled ones
+    (None: to sample), and `store` to fill in and keep what was sampled. Without a cache every slot is None."""
+
+    def __init__(self, tasks: list[Task], cache=None, sampling_key: dict[str, Any] | None = None):
+        from posttrain.evaluate.cache import cacheable, item_key
+
+        self.cache, self.hits = cache, 0
+        self.greedy: list[Trajectory | None] = [None] * len(tasks)
+        self.sampled: list[list[Trajectory] | None] = [None] * len(tasks)
+        self.keys: list[tuple[str, str] | None] = [None] * len(tasks)
+        if cache is None:
+            return
+        greedy_key, sampled_key = sampling_key["greedy"], sampling_key["sampled"]
+        for index, task in enumerate(tasks):
+            if not cacheable(task):
+                continue
+            keys = (item_key(task, "greedy", greedy_key), item_key(task, "sampled", sampled_key))
+            self.keys[index] = keys
+            found = cache.get(keys[0])
+            self.greedy[index] = found[0] if found else None
+            self.sampled[index] = cache.get(keys[1])
+
+    @classmethod
+    def open(cls, policy: Policy, runtime: EvalRuntime, sampling: EvalSampling, tasks: list[Task]) -> _CachedRun:
+        from posttrain.evaluate.cache import EpisodeCache, checkpoint_key
+
+        checkpoint = (checkpoint_key(policy.path, policy.settings)
+                      if runtime.episode_cache and policy.settings is not None else None)
+        if checkpoint is None:
+            return cls(tasks)
+        keys = {"greedy": {"max_new_tokens": sampling.max_new_tokens},
+                "sampled": {"max_new_tokens": sampling.max_new_tokens, "n": sampling.n,
+                            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                            "seed": sampling.seed}}
+        run = cls(tasks, EpisodeCache(runtime.episode_cache, checkpoint), keys)
+        run.hits = (sum(t is not None for t in run.greedy) * bool(sampling.greedy)
+                    + sum(len(s) for s in run.sampled if s is not None) * bool(sampling.n))
+        return run
+
+    def store(self, greedy_todo: list[int], greedy: list[Trajectory] | None, sampled_todo: list[int],
+              samples: list[Trajectory] | None, n: int) -> None:
+        entries = []
+        for position, index in enumerate(greedy_todo):
+            self.greedy[index] = greedy[position]
+            if self.keys[index]:
+                entries.append((self.keys[index][0], [greedy[position]]))
+        for position, index in enumerate(sampled_todo):
+            self.sampled[index] = samples[position * n:(position + 1) * n]
+            if self.keys[index]:
+                entries.append((self.keys[index][1], self.sampled[index]))
+        if self.cache is not None:
+            self.cache.put(entries)
+
+
+async def _collect(policy: Policy, greedy_tasks: list[Task], sampled_tasks: list[Task], sampling: EvalSampling,
+                   runtime: EvalRuntime) -> tuple[list[Trajectory] | None, list[Trajectory] | None]:
     from posttrain.envs import rollout_many
     from posttrain.rollout import AsyncBatcher
 
@@ -148,14 +219,14 @@ async def _collect(policy: Policy, tasks: list[Task], sampling: EvalSampling, ru
         options["renderer"] = policy.renderer
     greedy = samples = None
     async with AsyncBatcher(policy.engine, max_batch_size=runtime.batch_size) as batcher:
-        if sampling.greedy:
-            greedy = await rollout_many(batcher, tasks, policy.tokenizer,
+        if sampling.greedy and greedy_tasks:
+            greedy = await rollout_many(batcher, greedy_tasks, policy.tokenizer,
                                         SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=0.0),
                                         **options)
-        if sampling.n:
+        if sampling.n and sampled_tasks:
             sampled = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                      top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
-            samples = await rollout_many(batcher, tasks, policy.tokenizer, sampled, n=sampling.n, **options)
+            samples = await rollout_many(batcher, sampled_tasks, policy.tokenizer, sampled, n=sampling.n, **options)
     return greedy, samples
 
 
