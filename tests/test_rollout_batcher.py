@@ -125,6 +125,34 @@ def test_a_bad_request_fails_alone(engine):
     assert all(len(r) == 1 and r[0].token_ids for r in fine)
 
 
+@pytest.mark.parametrize("inline", [False, True])
+def test_an_engine_that_drops_a_request_fails_that_request_not_wedges_it(engine, inline):
+    """An engine answering fewer requests than it was given: each request is retried alone, and the one it
+    drops gets an error at once instead of waiting on a future nobody resolves."""
+    import functools
+
+    reqs = prompts(engine, 4)
+    generate = engine.generate
+
+    @functools.wraps(generate)
+    def dropping(requests, sampling, **kwargs):
+        answers = generate(requests, sampling, **kwargs)
+        return [a for r, a in zip(requests, answers) if r.request_id != "e2"]
+
+    async def episodes():
+        async with AsyncBatcher(engine, max_wait_s=0.05, inline=inline) as batcher:
+            return await asyncio.wait_for(asyncio.gather(
+                *(batcher.generate(r, SamplingParams(max_new_tokens=3)) for r in reqs), return_exceptions=True), 60)
+
+    engine.generate = dropping
+    try:
+        results = asyncio.run(episodes())
+    finally:
+        del engine.generate
+    assert isinstance(results[2], RuntimeError) and "answered 0 of 1" in str(results[2])
+    assert all(len(r) == 1 and r[0].request_id == f"e{i}" for i, r in enumerate(results) if i != 2)
+
+
 def test_a_batch_runs_without_the_window_once_every_announced_caller_waits(engine):
     import time
 

@@ -160,6 +160,8 @@ class AsyncBatcher:
                 results = self._call(batch)
             else:
                 results = await loop.run_in_executor(self._executor, self._call, batch)
+            if len(results) != len(batch):  # a request left without an answer would wait out ENGINE_WAIT_S
+                raise RuntimeError(f"the engine answered {len(results)} of {len(batch)} requests")
         except Exception as error:  # noqa: BLE001 - handed to the caller(s) that own the request(s)
             if len(batch) == 1:
                 if not batch[0].future.done():
