@@ -182,6 +182,44 @@ def test_a_harness_that_cannot_run_is_an_error_not_a_zero():
             verify_code(fenced("def add(a, b):\n    return a + b"), ADD, sandbox=broken)
 
 
+def _recording(box, seen):
+    class Recording:  # the same pool and jail: the pool's self-test and its verdict on bytecode are this pool's
+        jail, pool = box.jail, box.pool
+
+        def run(self, cmd, **options):
+            seen.append(cmd[-2])  # the harness file the jail's Python was told to run
+            return box.run(cmd, **options)
+
+    return Recording()
+
+
+def test_the_harness_runs_as_bytecode_only_where_the_jail_s_python_judges_with_it(monkeypatch):
+    import importlib.util
+
+    from posttrain.verify import code_tests
+
+    answer = fenced("def add(a, b):\n    return a + b")
+    with SandboxPool(1) as pool:
+        box = Sandbox(pool=pool)
+        probe = box.run([box.jail.python, "-c",
+                         "import importlib.util, sys; sys.stdout.write(importlib.util.MAGIC_NUMBER.hex())"])
+        same_bytecode = probe.stdout.strip() == importlib.util.MAGIC_NUMBER.hex()
+        seen = []
+        assert verify_code(answer, ADD, sandbox=_recording(box, seen)).passed
+        assert seen == ["_harness.py", "_harness.pyc", "_harness.pyc" if same_bytecode else "_harness.py"]
+        partly = verify_code(fenced("def add(a, b):\n    return a * b"), ADD, sandbox=_recording(box, seen))
+        assert partly.score == 0.25 and partly.details["cases"] == ["wrong output", "pass", "wrong output",
+                                                                    "wrong output"]  # only 2 * 2 == 2 + 2
+
+    # Bytecode the jail's Python cannot run (another version's, a bad header): the self-test finds it out, and
+    # every judgement runs the source, scored as ever.
+    monkeypatch.setattr(code_tests, "_HARNESS_BYTECODE", b"\0" * 16 + b"not bytecode")
+    with SandboxPool(1) as pool:
+        seen = []
+        assert verify_code(answer, ADD, sandbox=_recording(Sandbox(pool=pool), seen)).passed
+        assert seen == ["_harness.py", "_harness.pyc", "_harness.py"]
+
+
 def test_outside_a_jail_the_harness_never_kills_every_process():
     """The harness stops leftovers with kill(-1) only inside a jail's PID namespace; on the unsafe backend that
     would be every process on the machine, so there it must be told it is not jailed."""

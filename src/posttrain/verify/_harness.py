@@ -1,6 +1,7 @@
 """The code verifier's harness: runs INSIDE the jail, next to the candidate, and never trusts it.
 
-Invoked as ``python3 -B -s _harness.py CONFIG`` (standard library only, Python >= 3.8). The config file holds the
+Invoked as ``python3 -B -s _harness.py CONFIG`` (standard library only, Python >= 3.8), or as ``_harness.pyc``,
+this file compiled by the verifier, where the pool's self-test found the jail's Python runs it. The config file holds the
 mode, the test *inputs* (never the expected outputs, except the assert-style source of the weaker scheme) and a
 per-run random nonce. The design keeps the candidate away from everything that decides the result:
 
