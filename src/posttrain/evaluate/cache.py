@@ -107,5 +107,59 @@ class EpisodeCache:
         return len(lines)
 
 
+class CachedItems:
+    """The cache's side of one `run_items` call: each item's cached greedy episode and sampled ones (None: to
+    sample), `hits` (episodes found), and `store` to fill in what was sampled and keep it. Without a cache (off,
+    or a policy with no checkpoint directory or no `settings`) every slot is None."""
+
+    def __init__(self, tasks: Sequence[Task], cache: EpisodeCache | None = None,
+                 sampling_keys: dict[str, dict[str, Any]] | None = None):
+        self.cache, self.hits = cache, 0
+        self.greedy: list[Trajectory | None] = [None] * len(tasks)
+        self.sampled: list[list[Trajectory] | None] = [None] * len(tasks)
+        self.keys: list[tuple[str, str] | None] = [None] * len(tasks)
+        if cache is None or sampling_keys is None:
+            return
+        for index, task in enumerate(tasks):
+            if not cacheable(task):
+                continue
+            keys = (item_key(task, "greedy", sampling_keys["greedy"]),
+                    item_key(task, "sampled", sampling_keys["sampled"]))
+            self.keys[index] = keys
+            found = cache.get(keys[0])
+            self.greedy[index] = found[0] if found else None
+            self.sampled[index] = cache.get(keys[1])
+
+    @classmethod
+    def open(cls, directory: str | None, path: str, settings: dict[str, Any] | None, sampling: Any,
+             tasks: Sequence[Task]) -> CachedItems:
+        """`sampling` is the run's `EvalSampling`; `path` and `settings` the policy's (`Policy.settings`)."""
+        checkpoint = checkpoint_key(path, settings) if directory and settings is not None else None
+        if checkpoint is None:
+            return cls(tasks)
+        keys = {"greedy": {"max_new_tokens": sampling.max_new_tokens},
+                "sampled": {"max_new_tokens": sampling.max_new_tokens, "n": sampling.n,
+                            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                            "seed": sampling.seed}}
+        found = cls(tasks, EpisodeCache(directory, checkpoint), keys)
+        found.hits = (sum(t is not None for t in found.greedy) * bool(sampling.greedy)
+                      + sum(len(s) for s in found.sampled if s is not None) * bool(sampling.n))
+        return found
+
+    def store(self, greedy_todo: list[int], greedy: list[Trajectory] | None, sampled_todo: list[int],
+              samples: list[Trajectory] | None, n: int) -> None:
+        entries = []
+        for position, index in enumerate(greedy_todo):
+            self.greedy[index] = greedy[position]
+            if self.keys[index]:
+                entries.append((self.keys[index][0], [greedy[position]]))
+        for position, index in enumerate(sampled_todo):
+            self.sampled[index] = samples[position * n:(position + 1) * n]
+            if self.keys[index]:
+                entries.append((self.keys[index][1], self.sampled[index]))
+        if self.cache is not None:
+            self.cache.put(entries)
+
+
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)

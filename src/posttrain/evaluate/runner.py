@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from posttrain.config import EvalRuntime, EvalSampling, ModelConfig, RopeScalingConfig, RuntimeConfig, TierEngine
 from posttrain.models import wants_vision
+from posttrain.evaluate.cache import CachedItems
 from posttrain.evaluate.errors import EvalError
 from posttrain.evaluate.metrics import ItemEpisodes, SuiteScore
 from posttrain.evaluate.suites import Suite, by_suite
@@ -135,7 +136,7 @@ def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | No
     sampling = sampling or EvalSampling()
     runtime = runtime or EvalRuntime()
     tasks = [_scaled(task, runtime.timeout_scale) for task in tasks]
-    cached = _CachedRun.open(policy, runtime, sampling, tasks)
+    cached = CachedItems.open(runtime.episode_cache, policy.path, policy.settings, sampling, tasks)
     greedy_todo = [i for i in range(len(tasks)) if sampling.greedy and cached.greedy[i] is None]
     sampled_todo = [i for i in range(len(tasks)) if sampling.n and cached.sampled[i] is None]
     with engine_threads(policy, runtime) as threads:
@@ -151,61 +152,6 @@ def run_items(policy: Policy, tasks: Sequence[Task], sampling: EvalSampling | No
                                   cached.sampled[index] if sampling.n else []))
     return items, RunStats(seconds, len(fresh), sum(t.policy_tokens for t in fresh), threads,
                            cached_episodes=cached.hits, items_run=len(set(greedy_todo) | set(sampled_todo)))
-
-
-class _CachedRun:
-    """The episode cache's side of one `run_items` call: each item's cached greedy episode and sampled ones
-    (None: to sample), and `store` to fill in and keep what was sampled. Without a cache every slot is None."""
-
-    def __init__(self, tasks: list[Task], cache=None, sampling_key: dict[str, Any] | None = None):
-        from posttrain.evaluate.cache import cacheable, item_key
-
-        self.cache, self.hits = cache, 0
-        self.greedy: list[Trajectory | None] = [None] * len(tasks)
-        self.sampled: list[list[Trajectory] | None] = [None] * len(tasks)
-        self.keys: list[tuple[str, str] | None] = [None] * len(tasks)
-        if cache is None:
-            return
-        greedy_key, sampled_key = sampling_key["greedy"], sampling_key["sampled"]
-        for index, task in enumerate(tasks):
-            if not cacheable(task):
-                continue
-            keys = (item_key(task, "greedy", greedy_key), item_key(task, "sampled", sampled_key))
-            self.keys[index] = keys
-            found = cache.get(keys[0])
-            self.greedy[index] = found[0] if found else None
-            self.sampled[index] = cache.get(keys[1])
-
-    @classmethod
-    def open(cls, policy: Policy, runtime: EvalRuntime, sampling: EvalSampling, tasks: list[Task]) -> _CachedRun:
-        from posttrain.evaluate.cache import EpisodeCache, checkpoint_key
-
-        checkpoint = (checkpoint_key(policy.path, policy.settings)
-                      if runtime.episode_cache and policy.settings is not None else None)
-        if checkpoint is None:
-            return cls(tasks)
-        keys = {"greedy": {"max_new_tokens": sampling.max_new_tokens},
-                "sampled": {"max_new_tokens": sampling.max_new_tokens, "n": sampling.n,
-                            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                            "seed": sampling.seed}}
-        run = cls(tasks, EpisodeCache(runtime.episode_cache, checkpoint), keys)
-        run.hits = (sum(t is not None for t in run.greedy) * bool(sampling.greedy)
-                    + sum(len(s) for s in run.sampled if s is not None) * bool(sampling.n))
-        return run
-
-    def store(self, greedy_todo: list[int], greedy: list[Trajectory] | None, sampled_todo: list[int],
-              samples: list[Trajectory] | None, n: int) -> None:
-        entries = []
-        for position, index in enumerate(greedy_todo):
-            self.greedy[index] = greedy[position]
-            if self.keys[index]:
-                entries.append((self.keys[index][0], [greedy[position]]))
-        for position, index in enumerate(sampled_todo):
-            self.sampled[index] = samples[position * n:(position + 1) * n]
-            if self.keys[index]:
-                entries.append((self.keys[index][1], self.sampled[index]))
-        if self.cache is not None:
-            self.cache.put(entries)
 
 
 async def _collect(policy: Policy, greedy_tasks: list[Task], sampled_tasks: list[Task], sampling: EvalSampling,
