@@ -34,12 +34,12 @@ def main() -> None:
     answers = [domain.demonstration(task).messages[-1]["content"] for task in tasks]
     verify(tasks[0], answers[0], {"answer": answers[0]})  # start the pool; its self-test decides on bytecode
     pool = Sandbox().pool
-    accepted = bool(code_tests._bytecode_runs.get(pool))
+    accepted = bool(code_tests._runs_bytecode.get(pool))
     load_before = os.getloadavg()[0]
     rates: dict[bool, list[float]] = {True: [], False: []}
     for repeat in range(args.repeats):
         for bytecode in (True, False) if repeat % 2 == 0 else (False, True):
-            code_tests._bytecode_runs[pool] = bytecode
+            code_tests._runs_bytecode[pool] = bytecode
             started = time.perf_counter()
             with ThreadPoolExecutor(args.threads) as workers:
                 rewards = list(workers.map(lambda pair: verify(pair[0], pair[1], {"answer": pair[1]}),
@@ -47,7 +47,7 @@ def main() -> None:
             rates[bytecode].append(len(tasks) / (time.perf_counter() - started))
             if not all(reward.passed for reward in rewards):
                 raise SystemExit(f"a demonstration failed with bytecode={bytecode}: the bench measures nothing")
-    code_tests._bytecode_runs[pool] = accepted
+    code_tests._runs_bytecode[pool] = accepted
     bytecode_rate, source_rate = statistics.median(rates[True]), statistics.median(rates[False])
     print(json.dumps({"bench": "code_judging", "self_test_accepts_bytecode": accepted, "items": args.items,
                       "threads": args.threads, "slots": pool.size, "repeats": args.repeats,

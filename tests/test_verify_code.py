@@ -210,9 +210,10 @@ def test_the_harness_runs_as_bytecode_only_where_the_jail_s_python_judges_with_i
         partly = verify_code(fenced("def add(a, b):\n    return a * b"), ADD, sandbox=_recording(box, seen))
         assert partly.score == 0.25 and partly.details["cases"] == ["wrong output", "pass", "wrong output",
                                                                     "wrong output"]  # only 2 * 2 == 2 + 2
+        assert seen[3:] == seen[2:3]  # judged the same way as the first program
 
-    # Bytecode the jail's Python cannot run (another version's, a bad header): the self-test finds it out, and
-    # every judgement runs the source, scored as ever.
+    # Bytecode the jail's Python cannot run (another version's; simulated here by a bad header): the self-test
+    # finds it out, and every judgement runs the source, scored as ever.
     monkeypatch.setattr(code_tests, "_HARNESS_BYTECODE", b"\0" * 16 + b"not bytecode")
     with SandboxPool(1) as pool:
         seen = []

@@ -82,15 +82,12 @@ class EpisodeCache:
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash: that item is sampled again
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def get(self, key: str) -> list[Trajectory] | None:
         stored = self._entries.get(key)
         return None if stored is None else [Trajectory.from_dict(data) for data in stored]
 
-    def put(self, entries: Sequence[tuple[str, Sequence[Trajectory]]]) -> int:
-        """Store each (key, episodes) whose episodes hold no infrastructure failure; returns how many."""
+    def put(self, entries: Sequence[tuple[str, Sequence[Trajectory]]]) -> None:
+        """Store each (key, episodes) whose episodes hold no infrastructure failure."""
         lines = []
         for key, trajectories in entries:
             if not trajectories or any(t.reward.is_infrastructure_failure for t in trajectories):
@@ -104,31 +101,32 @@ class EpisodeCache:
                 handle.write("".join(lines))
                 handle.flush()
                 os.fsync(handle.fileno())
-        return len(lines)
 
 
 class CachedItems:
     """The cache's side of one `run_items` call: each item's cached greedy episode and sampled ones (None: to
-    sample), `hits` (episodes found), and `store` to fill in what was sampled and keep it. Without a cache (off,
-    or a policy with no checkpoint directory or no `settings`) every slot is None."""
+    sample), `hits` (episodes found), and `store` to fill in what was sampled and keep it. Only the kinds the run
+    asks for are looked up; without a cache (off, or a policy with no checkpoint directory or no `settings`)
+    every slot is None."""
 
     def __init__(self, tasks: Sequence[Task], cache: EpisodeCache | None = None,
-                 sampling_keys: dict[str, dict[str, Any]] | None = None):
-        self.cache, self.hits = cache, 0
+                 greedy_key: dict[str, Any] | None = None, sampled_key: dict[str, Any] | None = None):
+        self.cache = cache
         self.greedy: list[Trajectory | None] = [None] * len(tasks)
         self.sampled: list[list[Trajectory] | None] = [None] * len(tasks)
-        self.keys: list[tuple[str, str] | None] = [None] * len(tasks)
-        if cache is None or sampling_keys is None:
-            return
+        self._greedy_keys: list[str | None] = [None] * len(tasks)
+        self._sampled_keys: list[str | None] = [None] * len(tasks)
         for index, task in enumerate(tasks):
-            if not cacheable(task):
+            if cache is None or not cacheable(task):
                 continue
-            keys = (item_key(task, "greedy", sampling_keys["greedy"]),
-                    item_key(task, "sampled", sampling_keys["sampled"]))
-            self.keys[index] = keys
-            found = cache.get(keys[0])
-            self.greedy[index] = found[0] if found else None
-            self.sampled[index] = cache.get(keys[1])
+            if greedy_key is not None:
+                self._greedy_keys[index] = item_key(task, "greedy", greedy_key)
+                found = cache.get(self._greedy_keys[index])
+                self.greedy[index] = found[0] if found else None
+            if sampled_key is not None:
+                self._sampled_keys[index] = item_key(task, "sampled", sampled_key)
+                self.sampled[index] = cache.get(self._sampled_keys[index])
+        self.hits = sum(t is not None for t in self.greedy) + sum(len(s) for s in self.sampled if s)
 
     @classmethod
     def open(cls, directory: str | None, path: str, settings: dict[str, Any] | None, sampling: Any,
@@ -137,26 +135,22 @@ class CachedItems:
         checkpoint = checkpoint_key(path, settings) if directory and settings is not None else None
         if checkpoint is None:
             return cls(tasks)
-        keys = {"greedy": {"max_new_tokens": sampling.max_new_tokens},
-                "sampled": {"max_new_tokens": sampling.max_new_tokens, "n": sampling.n,
-                            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                            "seed": sampling.seed}}
-        found = cls(tasks, EpisodeCache(directory, checkpoint), keys)
-        found.hits = (sum(t is not None for t in found.greedy) * bool(sampling.greedy)
-                      + sum(len(s) for s in found.sampled if s is not None) * bool(sampling.n))
-        return found
+        greedy = {"max_new_tokens": sampling.max_new_tokens} if sampling.greedy else None
+        sampled = ({"max_new_tokens": sampling.max_new_tokens, "n": sampling.n, "temperature": sampling.temperature,
+                    "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": sampling.seed} if sampling.n else None)
+        return cls(tasks, EpisodeCache(directory, checkpoint), greedy, sampled)
 
     def store(self, greedy_todo: list[int], greedy: list[Trajectory] | None, sampled_todo: list[int],
               samples: list[Trajectory] | None, n: int) -> None:
         entries = []
         for position, index in enumerate(greedy_todo):
             self.greedy[index] = greedy[position]
-            if self.keys[index]:
-                entries.append((self.keys[index][0], [greedy[position]]))
+            if self._greedy_keys[index]:
+                entries.append((self._greedy_keys[index], [greedy[position]]))
         for position, index in enumerate(sampled_todo):
             self.sampled[index] = samples[position * n:(position + 1) * n]
-            if self.keys[index]:
-                entries.append((self.keys[index][1], self.sampled[index]))
+            if self._sampled_keys[index]:
+                entries.append((self._sampled_keys[index], self.sampled[index]))
         if self.cache is not None:
             self.cache.put(entries)
 

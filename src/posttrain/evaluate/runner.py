@@ -96,10 +96,10 @@ def load_policy(path: str | Path, runtime: EvalRuntime | None = None, engine: Ti
                          **engine.options)
     except TypeError as error:  # an option this engine does not take
         raise EvalError(f"checkpoint {path}: engine.options: {error}") from None
-    settings = {"device": device.type, "autocast": str(autocast_dtype(settings, device)),
-                "engine": engine.model_dump(mode="json"), "speculative": spec.model_dump(mode="json"),
-                "rope_scaling": rope_scaling.model_dump(mode="json") if rope_scaling else None}
-    return Policy(built, tokenizer, str(path), device.type, settings=settings)
+    how_it_runs = {"device": device.type, "autocast": str(autocast_dtype(settings, device)),
+                   "engine": engine.model_dump(mode="json"), "speculative": spec.model_dump(mode="json"),
+                   "rope_scaling": rope_scaling.model_dump(mode="json") if rope_scaling else None}
+    return Policy(built, tokenizer, str(path), device.type, settings=how_it_runs)
 
 
 def load_vision_checkpoint(path: str | Path, runtime: EvalRuntime, engine: TierEngine | None = None) -> Policy:

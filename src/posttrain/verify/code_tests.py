@@ -230,20 +230,22 @@ def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: d
               "source": spec.source, "remote_names": spec.remote_names, "jailed": runs_in_jail(box)}
     if bytecode is None:
         pool = getattr(box, "pool", None)
-        bytecode = pool is not None and _bytecode_runs.get(pool, False)
-    harness = ("_harness.pyc", _HARNESS_BYTECODE) if bytecode else ("_harness.py", _HARNESS_SOURCE)
-    files = {**workspace, "solution.py": source, harness[0]: harness[1], config_name: json.dumps(config)}
+        bytecode = pool is not None and _runs_bytecode.get(pool, False)
+    harness_file, harness = ("_harness.pyc", _HARNESS_BYTECODE) if bytecode else ("_harness.py", _HARNESS_SOURCE)
+    files = {**workspace, "solution.py": source, harness_file: harness, config_name: json.dumps(config)}
     retries = 0
     while True:
-        result = box.run([box.jail.python, "-B", "-s", harness[0], config_name], files=files, limits=limits)
+        result = box.run([box.jail.python, "-B", "-s", harness_file, config_name], files=files, limits=limits)
         if not result.is_infra_error or retries >= infra_retries:
             return result, read_record(result, nonce), retries
         retries += 1
 
 
-_self_tested: weakref.WeakSet = weakref.WeakSet()
-_bytecode_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> its Python runs our bytecode
+# A pool's self-test verdict on the harness as bytecode (True: its jail's Python judges right with it); a pool
+# is in here once its self-test has passed.
+_runs_bytecode: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SELF_TEST = TestSpec("function", cases=[{"args": [2, 3], "expected": 5}], function="add")
+_SELF_TEST_SOURCE = "def add(a, b):\n    return a + b\n"
 
 
 def _self_test(box: Any, run_limits: Limits) -> None:
@@ -252,7 +254,7 @@ def _self_test(box: Any, run_limits: Limits) -> None:
     Then the same with the harness as bytecode: kept only if that judges it right too (the jail's Python may be
     another version, whose bytecode differs), so bytecode can never score a program 0 that the source would not."""
     pool = getattr(box, "pool", None)
-    if pool is None or pool in _self_tested:
+    if pool is None or pool in _runs_bytecode:
         return
     result, record, _ = _judge(box, _SELF_TEST, _SELF_TEST_SOURCE, 2.0, {}, run_limits, 2, bytecode=False)
     if result.is_infra_error:
@@ -262,11 +264,7 @@ def _self_test(box: Any, run_limits: Limits) -> None:
                           f"{box.jail.python!r}, needs Python >= 3.9): status {result.status}, "
                           f"stderr: {result.stderr[-400:]!r}")
     result, record, _ = _judge(box, _SELF_TEST, _SELF_TEST_SOURCE, 2.0, {}, run_limits, 2, bytecode=True)
-    _bytecode_runs[pool] = not result.is_infra_error and _judged_right(record)
-    _self_tested.add(pool)
-
-
-_SELF_TEST_SOURCE = "def add(a, b):\n    return a + b\n"
+    _runs_bytecode[pool] = not result.is_infra_error and _judged_right(record)
 
 
 def _judged_right(record: dict[str, Any] | None) -> bool:
