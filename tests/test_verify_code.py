@@ -42,7 +42,9 @@ def test_values_cross_the_boundary_as_plain_builtins_only():
     value = {"k": (1, [2.5, None]), 3: {frozenset({1}), b"x"}, "big": 1 << 80, "nan": float("nan")}
     back = decode(json.loads(json.dumps(encode(value))))
     assert back["k"] == (1, [2.5, None]) and back[3] == {frozenset({1}), b"x"} and back["big"] == 1 << 80
-    for bad in ({"$eval": "1"}, {"$dict": [[[1], 2]]}, {"$tuple": 5}, {"a": 1, "b": 2}):
+    assert decode(encode(b"\x00\xffA")) == b"\x00\xffA"
+    for bad in ({"$eval": "1"}, {"$dict": [[[1], 2]]}, {"$tuple": 5}, {"a": 1, "b": 2},
+                {"$bytes": "00 ff"}, {"$bytes": "00FF"}, {"$bytes": "0"}):  # bytes: one spelling only
         with pytest.raises((ValueError, TypeError)):
             decode(bad)
 

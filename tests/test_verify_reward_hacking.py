@@ -29,7 +29,7 @@ def test_the_suite_is_big_enough():
 
 @pytest.mark.parametrize("entry", SUITE["exploits"], ids=lambda e: e["name"])
 def test_exploit_scores_nothing(entry):
-    reward = verify(_task(entry), entry["completion"])
+    reward = verify(_task(entry), entry["completion"], entry.get("final_state"))
     assert not reward.is_infrastructure_failure, reward.details
     assert not reward.passed
     assert reward.score <= entry.get("max_score", 0.0), reward.details
@@ -37,7 +37,7 @@ def test_exploit_scores_nothing(entry):
 
 @pytest.mark.parametrize("entry", SUITE["honest"], ids=lambda e: e["name"])
 def test_honest_solution_scores_full(entry):
-    reward = verify(_task(entry), entry["completion"])
+    reward = verify(_task(entry), entry["completion"], entry.get("final_state"))
     assert reward.passed and reward.score == 1.0, reward.details
 
 

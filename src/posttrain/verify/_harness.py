@@ -5,6 +5,8 @@ this file compiled by the verifier, where the pool's self-test found the jail's 
 mode, the test *inputs* (never the expected outputs, except the assert-style source of the weaker scheme) and a
 per-run random nonce. The design keeps the candidate away from everything that decides the result:
 
+0. The harness takes the jail's working directory (the workspace, and whatever the candidate writes) off its
+   ``sys.path`` before its first import, so no file there can stand in for a standard-library module in it.
 1. The harness makes itself non-dumpable (no ptrace, no /proc/PID/mem or /proc/PID/fd for same-uid processes),
    opens and unlinks the config file, and forks a *zygote* - all before reading the config, so no process the
    candidate can ever run in holds a copy of the nonce or of the test source.
@@ -25,17 +27,29 @@ through proxies; the weaker scheme, because the expected values are inside the j
 the candidate runs in).
 """
 
-import ast
-import base64
-import ctypes
-import json
 import os
-import select
-import signal
-import socket
-import struct
 import sys
-import time
+
+# Run as a script, the harness has the jail's working directory on sys.path (first, as the script's directory):
+# the workspace a task ships in and whatever the candidate writes there. A file named like a module (json.py,
+# socket.py) would then be imported in place of the standard library's, into this process, which holds the nonce
+# and, in the assert scheme, the expected values. So that directory leaves sys.path before any other import (os
+# and sys were loaded by the interpreter's start-up, before the script's directory was added); the workers put it
+# back before they load the candidate, whose own imports see the workspace as before.
+WORKSPACE_PATHS = []
+if __name__ == "__main__":
+    _here = os.path.dirname(os.path.abspath(sys.argv[0]))
+    WORKSPACE_PATHS = [p for p in sys.path if os.path.abspath(p or os.curdir) in (_here, os.getcwd())]
+    sys.path[:] = [p for p in sys.path if p not in WORKSPACE_PATHS]
+
+import ctypes  # noqa: E402 - after the working directory left sys.path
+import importlib.util  # noqa: E402 - the workers load the candidate with it: loaded once, before they fork
+import json  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+import time  # noqa: E402
 
 MAX_MESSAGE = 4 << 20
 MAX_STDOUT = 1 << 20
@@ -74,7 +88,7 @@ def encode(value, depth=0):
         items = sorted((encode(item, depth + 1) for item in value), key=lambda e: json.dumps(e, sort_keys=True))
         return {"$set" if kind is set else "$frozenset": items}
     if kind is bytes:
-        return {"$bytes": base64.b64encode(value).decode("ascii")}
+        return {"$bytes": value.hex()}
     if kind is complex:
         return {"$complex": [encode(value.real, depth + 1), encode(value.imag, depth + 1)]}
     raise TypeError("cannot return a value of type " + kind.__name__)
@@ -107,7 +121,10 @@ def decode(data, depth=0):
         items = [_hashable(decode(item, depth + 1)) for item in body]
         return set(items) if tag == "$set" else frozenset(items)
     if tag == "$bytes" and type(body) is str:
-        return base64.b64decode(body.encode("ascii"), validate=True)
+        value = bytes.fromhex(body)
+        if value.hex() != body:  # one spelling per value (fromhex would also take spaces and capitals)
+            raise ValueError("malformed bytes")
+        return value
     if tag == "$complex" and type(body) is list and len(body) == 2:
         return complex(decode(body[0], depth + 1), decode(body[1], depth + 1))
     if tag == "$handle" and type(body) is int:
@@ -193,7 +210,7 @@ def _serve(conn, solution_path):
         op = request.get("op")
         try:
             if op == "load":
-                import importlib.util
+                sys.path[:0] = WORKSPACE_PATHS  # the candidate imports from its workspace as it would anywhere
 
                 spec = importlib.util.spec_from_file_location("solution", solution_path)
                 module = importlib.util.module_from_spec(spec)
@@ -444,6 +461,8 @@ class Harness:
         return results
 
     def run_assert_tests(self):
+        import ast  # only this scheme parses test source: the others skip its import (~5 ms of a judgement)
+
         module = ast.parse(self.config["source"])
         namespace = {"__name__": "__tests__"}
         for name in self.config["remote_names"]:
