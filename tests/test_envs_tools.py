@@ -122,6 +122,13 @@ def test_file_tools_stay_inside_the_workspace():
         small.write("b", "2")
     with pytest.raises(WorkspaceError, match="too large"):
         small.write("a", "x" * 11)
+    # one tree, as on a disk: a sandbox run of a workspace holding "src/a.py" as a file and a directory could not
+    # start, and the episode would count as an infrastructure failure instead of being scored
+    with pytest.raises(ToolError, match="would be a file and the directory"):
+        use("write_file", path="src/a.py/c.py", content="z = 3\n")
+    with pytest.raises(ToolError, match="would be a file and the directory"):
+        use("write_file", path="src", content="z = 3\n")
+    assert use("list_files") == "src/a.py\nsrc/b.py"
 
 
 def test_long_tool_output_is_capped():

@@ -42,6 +42,7 @@ def test_limits_are_validated():
     ({"cmd": []}, "non-empty list"),
     ({"cmd": ["true"], "files": {"/etc/passwd": "x"}}, "relative"),
     ({"cmd": ["true"], "files": {"../up": "x"}}, "stay inside"),
+    ({"cmd": ["true"], "files": {"a": "x", "a/b": "y"}}, "cannot be a file and a directory"),
     ({"cmd": ["true"], "files": {"a": 3}}, "str or bytes"),
     ({"cmd": ["true"], "env": {"A=B": "x"}}, "environment variable"),
     ({"cmd": ["true"], "timeout_s": -1}, "timeout_s"),

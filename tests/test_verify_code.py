@@ -163,6 +163,24 @@ def test_trajectory_and_final_state_files():
     assert verify_code("", ADD, final_state={"files": {}}, solution_file="solution.py").details["reason"] == "no_code"
 
 
+@pytest.mark.parametrize("files", [{"../up.py": "x"}, {"solution.py/x": "y"}, {"a": "1", "a/b": "2"},
+                                   {"_harness.pyc": "not bytecode"}])
+def test_a_workspace_the_jail_cannot_hold_is_judged_without_those_files_never_an_infra_failure(files):
+    # Shipped as is, the jail could not start: an infrastructure failure is masked, not scored, so a policy that
+    # left such names in its workspace would never see its wrong answers scored.
+    wrong = verify_code(fenced("def add(a, b):\n    return 0"), ADD, final_state={"files": files})
+    assert not wrong.is_infrastructure_failure and wrong.failure == FailureClass.WRONG_ANSWER, wrong.details
+    assert wrong.details["dropped_files"] == sorted(set(files) - {"a"})
+    assert verify_code(fenced("def add(a, b):\n    return a + b"), ADD, final_state={"files": files}).passed
+
+
+def test_a_workspace_larger_than_the_jail_is_scored_not_an_infra_failure():
+    huge = {"data.bin": b"x" * (1 << 20)}
+    reward = verify_code(fenced("def add(a, b):\n    return a + b"), ADD, limits={"workdir_mb": 1},
+                         final_state={"files": huge})
+    assert not reward.is_infrastructure_failure and reward.details["reason"] == "workspace_too_large", reward.details
+
+
 def test_sandbox_infra_failure_is_not_a_score():
     class Broken:
         jail = Sandbox().jail

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import posixpath
 
+from posttrain.sandbox import file_conflicts
+
 MAX_FILES = 200
 MAX_FILE_BYTES = 200_000
 
@@ -44,6 +46,12 @@ class Workspace:
             raise WorkspaceError(f"file too large ({size} bytes > {self.max_file_bytes})")
         if path not in self.files and len(self.files) >= self.max_files:
             raise WorkspaceError(f"too many files (limit {self.max_files})")
+        # One tree, as on a disk: a name cannot be a file and a directory at once (the sandbox could not hold both,
+        # and a run that cannot start would count as the infrastructure's failure instead of the model's).
+        conflicts = file_conflicts([*self.files, path])
+        if conflicts:
+            parent, under = conflicts[0]
+            raise WorkspaceError(f"cannot write {path}: {parent} would be a file and the directory of {under}")
         self.files[path] = content
         return size
 

@@ -17,7 +17,7 @@ from posttrain.sandbox.errors import SandboxError
 from posttrain.sandbox.limits import JailOptions, Limits, RunResult, RunStatus
 from posttrain.sandbox.pool import PoolStats, SandboxPool
 from posttrain.sandbox.preflight import find_bubblewrap
-from posttrain.sandbox.request import RunRequest, python_runtime_paths
+from posttrain.sandbox.request import RunRequest, check_file_name, file_conflicts, python_runtime_paths
 from posttrain.sandbox.sandbox import Sandbox, default_pool, local_pool, set_default_pool
 from posttrain.sandbox.slots import UnsafeSandboxWarning
 
@@ -32,9 +32,11 @@ __all__ = [
     "SandboxError",
     "SandboxPool",
     "UnsafeSandboxWarning",
+    "check_file_name",
     "default_pool",
     "local_pool",
     "set_default_pool",
+    "file_conflicts",
     "find_bubblewrap",
     "python_runtime_paths",
 ]

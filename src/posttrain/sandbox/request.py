@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 from posttrain.sandbox._launcher import wire
 from posttrain.sandbox.errors import SandboxError
@@ -26,13 +26,26 @@ def _as_bytes(value: FileContent, what: str) -> bytes:
     raise SandboxError(f"{what} must be str or bytes, got {type(value).__name__}")
 
 
-def _check_path(path: str) -> str:
+def check_file_name(path: str) -> str:
+    """`path` normalized if the work dir can hold a file by that name; SandboxError otherwise."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise SandboxError(f"file name {path!r} must be a non-empty string")
     norm = posixpath.normpath(path)
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
         raise SandboxError(f"file name {path!r} must be relative to the work dir and stay inside it")
     return norm
+
+
+def file_conflicts(names: Iterable[str]) -> list[tuple[str, str]]:
+    """(a file, a name under it) for every name that needs another name as its directory: one tree cannot
+    hold both (normalized names, `check_file_name`'s)."""
+    files = set(names)
+    return [(parent, name) for name in sorted(files) for parent in _parents(name) if parent in files]
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 @dataclass
@@ -65,7 +78,12 @@ class RunRequest:
         argv = list(cmd)
         if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
             raise SandboxError(f"cmd must be a non-empty list of strings without NUL bytes, got {cmd!r}")
-        checked_files = {_check_path(p): _as_bytes(c, f"content of {p!r}") for p, c in (files or {}).items()}
+        checked_files = {check_file_name(p): _as_bytes(c, f"content of {p!r}") for p, c in (files or {}).items()}
+        conflicts = file_conflicts(checked_files)
+        if conflicts:
+            parent, name = conflicts[0]
+            raise SandboxError(f"file names {parent!r} and {name!r} conflict: {parent!r} cannot be a file and a "
+                               "directory at once")
         total = sum(len(c) for c in checked_files.values())
         if total > limits.workdir_mb << 20:
             raise SandboxError(f"files total {total} bytes, more than the work dir's {limits.workdir_mb} MiB "

@@ -34,7 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.sandbox import Limits, RunResult, Sandbox, SandboxError
+from posttrain.sandbox import Limits, RunResult, Sandbox, SandboxError, check_file_name, file_conflicts
 from posttrain.types import FailureClass, Reward
 from posttrain.verify import _harness
 from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
@@ -241,6 +241,38 @@ def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: d
         retries += 1
 
 
+# The verifier's own files in the jail's working directory: a workspace file under one of these names is replaced.
+_OWN_FILES = ("solution.py", "_harness.py", "_harness.pyc")
+
+
+def _workspace(final_state: dict[str, Any] | None) -> tuple[dict[str, str | bytes], list[str]]:
+    """The workspace files (``final_state["files"]``) that go into the jail beside the verifier's own, and the
+    names left out: a name the sandbox refuses (absolute, ``..``), one under the verifier's own files, one that
+    another file needs as its directory. An agent's final state can hold any of these (an external environment's
+    above all); shipped as is, the jail could not start, and a judgement that never runs is an infrastructure
+    failure, masked instead of scored, which a policy could learn to provoke. Left out, the program is judged on
+    the rest, as it would be if it had never written them."""
+    files: dict[str, str | bytes] = {}
+    dropped = []
+    for name, content in ((final_state or {}).get("files") or {}).items():
+        if not isinstance(content, (str, bytes)):
+            continue
+        try:
+            normal = check_file_name(name)
+        except SandboxError:
+            dropped.append(str(name))
+            continue
+        if normal.split("/")[0] in _OWN_FILES:
+            if normal != "solution.py":  # the program judged is written there in any case
+                dropped.append(name)
+            continue
+        files[normal] = content
+    for _, under in file_conflicts(files):
+        if files.pop(under, None) is not None:
+            dropped.append(under)
+    return files, sorted(dropped)
+
+
 # A pool's self-test verdict on the harness as bytecode (True: its jail's Python judges right with it); a pool
 # is in here once its self-test has passed.
 _runs_bytecode: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -288,9 +320,16 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
     run_limits = _run_limits(spec, timeout_s, limits)
     box = sandbox or Sandbox()  # the shared default pool
     _self_test(box, run_limits)
-    files = {p: c for p, c in ((final_state or {}).get("files") or {}).items() if isinstance(c, (str, bytes))}
+    files, dropped = _workspace(final_state)
+    size = sum(len(c.encode("utf-8", errors="surrogateescape") if isinstance(c, str) else c) for c in files.values())
+    if size + len(source.encode("utf-8", errors="surrogateescape")) + len(_HARNESS_SOURCE) > run_limits.workdir_mb << 20:
+        # as a program that outgrows its memory limit: the agent's doing, scored (the jail would refuse to start)
+        return Reward(0.0, False, FailureClass.WRONG_ANSWER,
+                      details={"reason": "workspace_too_large", "bytes": size, "workdir_mb": run_limits.workdir_mb,
+                               **scheme})
     result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries, after_timeout_s)
-    run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3)}
+    run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3),
+           **({"dropped_files": dropped} if dropped else {})}
     if result.is_infra_error:
         return Reward(0.0, False, FailureClass.SANDBOX, details={"reason": "sandbox_failure",
                                                                   "error": result.error[-500:], **scheme, **run})
