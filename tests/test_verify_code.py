@@ -164,7 +164,7 @@ def test_trajectory_and_final_state_files():
 
 
 @pytest.mark.parametrize("files", [{"../up.py": "x"}, {"solution.py/x": "y"}, {"a": "1", "a/b": "2"},
-                                   {"_harness.pyc": "not bytecode"}])
+                                   {"_harness.pyc": "not bytecode"}, {"notes.txt": "\ud800"}, {"n" * 300: "x"}])
 def test_a_workspace_the_jail_cannot_hold_is_judged_without_those_files_never_an_infra_failure(files):
     # Shipped as is, the jail could not start: an infrastructure failure is masked, not scored, so a policy that
     # left such names in its workspace would never see its wrong answers scored.
@@ -172,6 +172,12 @@ def test_a_workspace_the_jail_cannot_hold_is_judged_without_those_files_never_an
     assert not wrong.is_infrastructure_failure and wrong.failure == FailureClass.WRONG_ANSWER, wrong.details
     assert wrong.details["dropped_files"] == sorted(set(files) - {"a"})
     assert verify_code(fenced("def add(a, b):\n    return a + b"), ADD, final_state={"files": files}).passed
+
+
+def test_a_solution_file_that_is_not_utf8_is_scored_not_an_infra_failure():
+    reward = verify_code("", ADD, final_state={"files": {"solution.py": "def add(a, b):\n    return '\ud800'\n"}},
+                         solution_file="solution.py")
+    assert not reward.is_infrastructure_failure and reward.details["reason"] == "not_utf8", reward.details
 
 
 def test_a_workspace_larger_than_the_jail_is_scored_not_an_infra_failure():

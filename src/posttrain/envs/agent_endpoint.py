@@ -113,8 +113,8 @@ class RecordingEndpoint:
             if not isinstance(request, dict):
                 raise _Refusal(400, "the body must be a JSON object")
             response = await self.chat(request)
-        except json.JSONDecodeError as error:
-            return error_body(400, f"the body is not JSON ({error})")
+        except (json.JSONDecodeError, RecursionError) as error:
+            return error_body(400, f"the body is not JSON ({type(error).__name__}: {error})")
         except _Refusal as refusal:
             self.refused_calls += 1
             return error_body(refusal.status, refusal.message, code=refusal.code)
@@ -257,8 +257,9 @@ def _message(raw: Any, index: int) -> Message:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as error:
-                raise _Refusal(400, f"{where}.tool_calls: arguments are not JSON ({error})") from None
+            except (json.JSONDecodeError, RecursionError) as error:
+                raise _Refusal(400, f"{where}.tool_calls: arguments are not JSON ({type(error).__name__}: {error})"
+                               ) from None
         calls.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
     if calls:
         message["tool_calls"] = calls

@@ -89,13 +89,15 @@ def _parse_call(body: str) -> ToolCall:
         data = json.loads(body.strip())
     except json.JSONDecodeError as error:
         return _malformed(f"invalid JSON ({error.msg} at char {error.pos})")
+    except RecursionError:  # nested past the parser's depth: the model's text, never a crash of the episode
+        return _malformed("invalid JSON (nested too deeply)")
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return _malformed('expected {"name": "<tool>", "arguments": {...}}')
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # OpenAI-style: arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return _malformed("arguments must be a JSON object", name=data["name"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import posixpath
 
-from posttrain.sandbox import file_conflicts
+from posttrain.sandbox import SandboxError, check_file_name, file_conflicts
 
 MAX_FILES = 200
 MAX_FILE_BYTES = 200_000
@@ -41,7 +41,10 @@ class Workspace:
         path = normalize_path(path)
         if not isinstance(content, str):
             raise WorkspaceError("content must be a string")
-        size = len(content.encode("utf-8", errors="replace"))
+        try:
+            size = len(content.encode("utf-8"))
+        except UnicodeEncodeError as error:  # a lone surrogate, as a JSON escape can write one
+            raise WorkspaceError(f"content is not UTF-8 text ({error.reason} at {error.start})") from None
         if size > self.max_file_bytes:
             raise WorkspaceError(f"file too large ({size} bytes > {self.max_file_bytes})")
         if path not in self.files and len(self.files) >= self.max_files:
@@ -70,4 +73,7 @@ def normalize_path(path: object) -> str:
     parts = [part for part in path.strip().split("/") if part not in ("", ".")]
     if not parts or any(part == ".." for part in parts):
         raise WorkspaceError(f"path must stay inside the workspace: {path}")
-    return posixpath.join(*parts)
+    try:
+        return check_file_name(posixpath.join(*parts))  # a name the sandbox can hold (UTF-8, not too long)
+    except SandboxError as error:
+        raise WorkspaceError(str(error).replace("file name", "path", 1)) from None

@@ -18,11 +18,18 @@ from posttrain.sandbox.limits import JailOptions, Limits
 FileContent = Union[str, bytes]
 
 
+MAX_NAME_BYTES = 1024  # a file's name relative to the work dir, in UTF-8 (the OS's PATH_MAX includes the dir)
+MAX_PART_BYTES = 255  # one component (the OS's NAME_MAX)
+
+
 def _as_bytes(value: FileContent, what: str) -> bytes:
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
-        return value.encode("utf-8", errors="surrogateescape")
+        try:
+            return value.encode("utf-8", errors="surrogateescape")
+        except UnicodeEncodeError as error:
+            raise SandboxError(f"{what} is not UTF-8 text ({error.reason} at {error.start})") from None
     raise SandboxError(f"{what} must be str or bytes, got {type(value).__name__}")
 
 
@@ -33,6 +40,13 @@ def check_file_name(path: str) -> str:
     norm = posixpath.normpath(path)
     if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
         raise SandboxError(f"file name {path!r} must be relative to the work dir and stay inside it")
+    try:
+        encoded = norm.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SandboxError(f"file name {path!r} is not UTF-8 text") from None
+    if len(encoded) > MAX_NAME_BYTES or any(len(part) > MAX_PART_BYTES for part in encoded.split(b"/")):
+        raise SandboxError(f"file name {path[:80]!r}... is too long ({MAX_NAME_BYTES} bytes in all, "
+                           f"{MAX_PART_BYTES} a component)")
     return norm
 
 

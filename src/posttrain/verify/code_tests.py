@@ -215,7 +215,7 @@ def _run_limits(spec: TestSpec, timeout_s: float, limits: Limits | dict[str, Any
         raise VerifyError(f"verifier 'code': limits: {error}") from None
 
 
-def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: dict[str, Any], limits: Limits,
+def _judge(box: Any, spec: TestSpec, source: str | bytes, timeout_s: float, workspace: dict[str, Any], limits: Limits,
            infra_retries: int, after_timeout_s: float = AFTER_TIMEOUT_S, bytecode: bool | None = None
            ) -> tuple[RunResult, dict[str, Any] | None, int]:
     """One jail running the harness on `source`: (the run, the harness's record or None, infra retries used).
@@ -245,22 +245,23 @@ def _judge(box: Any, spec: TestSpec, source: str, timeout_s: float, workspace: d
 _OWN_FILES = ("solution.py", "_harness.py", "_harness.pyc")
 
 
-def _workspace(final_state: dict[str, Any] | None) -> tuple[dict[str, str | bytes], list[str]]:
-    """The workspace files (``final_state["files"]``) that go into the jail beside the verifier's own, and the
-    names left out: a name the sandbox refuses (absolute, ``..``), one under the verifier's own files, one that
-    another file needs as its directory. An agent's final state can hold any of these (an external environment's
+def _workspace(final_state: dict[str, Any] | None) -> tuple[dict[str, bytes], list[str]]:
+    """The workspace files (``final_state["files"]``) that go into the jail beside the verifier's own, as bytes,
+    and the names left out: a name the sandbox refuses (absolute, ``..``, too long, not UTF-8), text that is not
+    UTF-8, a name under the verifier's own files, one that another file needs as its directory. An agent's final state can hold any of these (an external environment's
     above all); shipped as is, the jail could not start, and a judgement that never runs is an infrastructure
     failure, masked instead of scored, which a policy could learn to provoke. Left out, the program is judged on
     the rest, as it would be if it had never written them."""
-    files: dict[str, str | bytes] = {}
+    files: dict[str, bytes] = {}
     dropped = []
     for name, content in ((final_state or {}).get("files") or {}).items():
         if not isinstance(content, (str, bytes)):
             continue
         try:
             normal = check_file_name(name)
-        except SandboxError:
-            dropped.append(str(name))
+            content = content.encode("utf-8") if isinstance(content, str) else content
+        except (SandboxError, UnicodeEncodeError):
+            dropped.append(str(name).encode("utf-8", errors="backslashreplace").decode())
             continue
         if normal.split("/")[0] in _OWN_FILES:
             if normal != "solution.py":  # the program judged is written there in any case
@@ -320,9 +321,13 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
     run_limits = _run_limits(spec, timeout_s, limits)
     box = sandbox or Sandbox()  # the shared default pool
     _self_test(box, run_limits)
+    try:
+        source = source.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (an agent's file written through a JSON escape): no program
+        return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={"reason": "not_utf8", **scheme})
     files, dropped = _workspace(final_state)
-    size = sum(len(c.encode("utf-8", errors="surrogateescape") if isinstance(c, str) else c) for c in files.values())
-    if size + len(source.encode("utf-8", errors="surrogateescape")) + len(_HARNESS_SOURCE) > run_limits.workdir_mb << 20:
+    size = sum(len(content) for content in files.values())
+    if size + len(source) + len(_HARNESS_SOURCE) > run_limits.workdir_mb << 20:
         # as a program that outgrows its memory limit: the agent's doing, scored (the jail would refuse to start)
         return Reward(0.0, False, FailureClass.WRONG_ANSWER,
                       details={"reason": "workspace_too_large", "bytes": size, "workdir_mb": run_limits.workdir_mb,
