@@ -248,10 +248,10 @@ _OWN_FILES = ("solution.py", "_harness.py", "_harness.pyc")
 def _workspace(final_state: dict[str, Any] | None) -> tuple[dict[str, bytes], list[str]]:
     """The workspace files (``final_state["files"]``) that go into the jail beside the verifier's own, as bytes,
     and the names left out: a name the sandbox refuses (absolute, ``..``, too long, not UTF-8), text that is not
-    UTF-8, a name under the verifier's own files, one that another file needs as its directory. An agent's final state can hold any of these (an external environment's
-    above all); shipped as is, the jail could not start, and a judgement that never runs is an infrastructure
-    failure, masked instead of scored, which a policy could learn to provoke. Left out, the program is judged on
-    the rest, as it would be if it had never written them."""
+    UTF-8, a name under the verifier's own files, one that another file needs as its directory. An agent's final
+    state can hold any of these (an external environment's above all); shipped as is, the jail could not start,
+    and a judgement that never runs is an infrastructure failure, masked instead of scored, which a policy could
+    learn to provoke. Left out, the program is judged on the rest, as if it had never written them."""
     files: dict[str, bytes] = {}
     dropped = []
     for name, content in ((final_state or {}).get("files") or {}).items():
@@ -259,7 +259,7 @@ def _workspace(final_state: dict[str, Any] | None) -> tuple[dict[str, bytes], li
             continue
         try:
             normal = check_file_name(name)
-            content = content.encode("utf-8") if isinstance(content, str) else content
+            content = content.encode("utf-8", errors="surrogateescape") if isinstance(content, str) else content
         except (SandboxError, UnicodeEncodeError):
             dropped.append(str(name).encode("utf-8", errors="backslashreplace").decode())
             continue
@@ -322,7 +322,7 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
     box = sandbox or Sandbox()  # the shared default pool
     _self_test(box, run_limits)
     try:
-        source = source.encode("utf-8")
+        source = source.encode("utf-8", errors="surrogateescape")  # as the sandbox writes text
     except UnicodeEncodeError:  # a lone surrogate (an agent's file written through a JSON escape): no program
         return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={"reason": "not_utf8", **scheme})
     files, dropped = _workspace(final_state)
