@@ -268,6 +268,12 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
         assert words in payload["error"]["message"], payload
     code, payload = _post(server.url + "/v1/chat/completions", b"{not json")
     assert code == 400 and "JSON" in payload["error"]["message"]
+    code, payload = _post(server.url + "/v1/chat/completions", b"[" * 100_000)  # past the JSON parser's depth
+    assert code == 400 and "parsing the body" in payload["error"]["message"], payload
+    deep_call = {"type": "function", "id": "c1", "function": {"name": "calculator", "arguments": "[" * 100_000}}
+    code, payload = _post(server.url + "/v1/chat/completions", dict(model=MODEL, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [deep_call]}]))
+    assert code == 400 and "arguments are not JSON" in payload["error"]["message"], payload
     code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": [[99999]]})
     assert code == 400 and "token ids" in payload["error"]["message"]
     assert _get(server.url + "/v1/nothing")[0] == 404

@@ -56,8 +56,9 @@ def hf_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 if isinstance(arguments, str):
                     try:
                         arguments = json.loads(arguments) if arguments.strip() else {}
-                    except json.JSONDecodeError as error:
-                        raise APIError(400, f"messages[{position}].tool_calls: arguments are not JSON ({error})",
+                    except (json.JSONDecodeError, RecursionError) as error:  # nested past the parser: not JSON
+                        raise APIError(400, f"messages[{position}].tool_calls: arguments are not JSON "
+                                       f"({type(error).__name__}: {error})",
                                        param=f"messages[{position}].tool_calls") from None
                 calls.append({"type": "function", "function": {"name": call.function.name, "arguments": arguments}})
             item["tool_calls"] = calls
