@@ -467,6 +467,9 @@ class Harness:
         namespace = {"__name__": "__tests__"}
         for name in self.config["remote_names"]:
             namespace[name] = Remote(self, {"name": name})
+        # `from solution import f` / `import solution` in the test source reach the worker too: the candidate's
+        # module is never loaded in this process, which holds the nonce and the expected values.
+        sys.modules["solution"] = RemoteModule(self, self.config["remote_names"])
         results = []
         setup_failed = None
         for node in module.body:
@@ -494,6 +497,21 @@ class Harness:
                 else:
                     setup_failed = message
         return results
+
+
+class RemoteModule(type(sys)):
+    """The candidate's module as the test source imports it: every public attribute is a `Remote` in the worker;
+    ``from solution import *`` binds the names the test source uses but never defines."""
+
+    def __init__(self, harness, names):
+        super().__init__("solution")
+        self.__all__ = list(names)
+        self._harness = harness
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Remote(self._harness, {"name": attr})
 
 
 class Remote:
