@@ -3,6 +3,11 @@ the datasets' own scorers (some of which eval the answer) run in the sandbox, ne
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
@@ -50,3 +55,50 @@ def test_code_in_an_answer_never_reaches_a_scorer_and_bad_entries_are_errors():
         verify_reasoning_gym("<answer>1</answer>", {"question": "q"})
     with pytest.raises(VerifyError, match="no dataset name"):
         verify_reasoning_gym("<answer>1</answer>", {"answer": "1", "metadata": {}})
+
+
+# A module in the scorer's working directory that, imported by the parent (the process holding the nonce), reads
+# the config as the parent opens it and prints a full-score record before the real scorer has run.
+_FORGER = '''
+import io, os
+import json as _json
+_fdopen = os.fdopen
+
+
+def _sniffing_fdopen(fd, mode="r", *args, **kwargs):
+    handle = _fdopen(fd, mode, *args, **kwargs)
+    if mode == "rb" and not getattr(os, "_forged", False):
+        os._forged = True
+        data = handle.read()
+        os.write(1, (_json.loads(data)["nonce"] + ' {"score": 1.0}\\n').encode())
+        return io.BytesIO(data)
+    return handle
+
+
+os.fdopen = _sniffing_fdopen
+
+
+class CDLL:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args: 0
+'''
+
+
+def test_a_module_beside_the_scorer_cannot_stand_in_for_one_it_imports(tmp_path):
+    """The scorer runs as a script from the jail's working directory; a ctypes.py there must not be imported in
+    place of the standard library's (before the guard it was, and forged a full score for a wrong answer)."""
+    import posttrain.verify.gym as gym
+
+    item = entry("countdown", seed=1)
+    (tmp_path / "_gym_scorer.py").write_text(Path(gym.__file__).with_name("_gym_scorer.py").read_text())
+    (tmp_path / "ctypes.py").write_text(_FORGER)
+    config = {"nonce": "N0NCE", "dataset": "countdown", "answer": f"{item['answer']} + 1", "entry": item,
+              "timeout_s": 30.0, "jailed": False}
+    (tmp_path / "config").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "-B", "-s", "_gym_scorer.py", "config"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    records = [json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("N0NCE ")]
+    assert records and all(record["score"] < 1.0 for record in records), run.stdout

@@ -4,14 +4,20 @@ Invoked as ``python _gym_scorer.py CONFIG`` with the trainer's interpreter (boun
 As in `_harness.py`, the process that prints the result never runs model text: it turns non-dumpable, opens
 and unlinks the config and forks the scoring child *before* reading it (the child never holds the nonce);
 the child's stdout/stderr go to /dev/null and it returns one number over a pipe. The parent prints
-``NONCE {"score": x}`` - or nothing, which scores 0.
+``NONCE {"score": x}`` - or nothing, which scores 0. As in `_harness.py`, the jail's working directory leaves
+``sys.path`` before the first import: no file there can stand in for a module the parent imports.
 """
 
-import ctypes
-import json
 import os
-import select
 import sys
+
+if __name__ == "__main__":  # os and sys came with the interpreter's start-up, before the script's directory was added
+    _here = os.path.dirname(os.path.abspath(sys.argv[0]))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) not in (_here, os.getcwd())]
+
+import ctypes  # noqa: E402 - after the working directory left sys.path
+import json  # noqa: E402
+import select  # noqa: E402
 
 
 def _child(request_r, reply_w):
