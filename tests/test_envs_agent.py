@@ -540,6 +540,19 @@ def test_limits_and_unsupported_requests_are_refused_by_name(tiny_tokenizer):
     assert wrong_key[0] == 401
 
 
+def test_text_that_is_not_unicode_is_refused_by_name(tiny_tokenizer):
+    """JSON lets a body escape a lone surrogate (\\ud800), which no tokenizer can encode: a 400 naming where, not a
+    crash of the endpoint (an agent crash is an infrastructure failure, masked instead of scored)."""
+    endpoint = _endpoint(tiny_tokenizer, ["x" + END, "y" + END])
+    for body, where in [(b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+                        (b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": '
+                         b'"function", "function": {"name": "f\\udc80", "parameters": {}}}]}', "tools.0.function.name")]:
+        status, _, payload = asyncio.run(endpoint.handle("POST", "/v1/chat/completions", {"authorization": "Bearer k"},
+                                                         body))
+        assert status == 400 and where in json.loads(payload)["error"]["message"], payload
+    assert _post(endpoint, {"model": "m", "messages": [{"role": "user", "content": "a \u00e9 \U0001f600"}]})[0] == 200
+
+
 # ---- the agent domain ---------------------------------------------------------------------------------------
 
 

@@ -276,6 +276,13 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
     assert code == 400 and "arguments are not JSON" in payload["error"]["message"], payload
     code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": [[99999]]})
     assert code == 400 and "token ids" in payload["error"]["message"]
+    # a JSON escape of a lone surrogate is text no tokenizer can encode (it was a 500 from the tokenizer)
+    for path, body in [("/v1/chat/completions", b'{"model": "tiny-tools", "messages": [{"role": "user", '
+                                                 b'"content": "hi \\ud800"}]}'),
+                       ("/v1/completions", b'{"model": "tiny-tools", "prompt": ["ok", "\\udc80"]}')]:
+        code, payload = _post(server.url + path, body)
+        assert code == 400 and "Unicode" in payload["error"]["message"], payload
+        assert payload["error"]["param"] in ("messages.0.content", "prompt.1"), payload
     assert _get(server.url + "/v1/nothing")[0] == 404
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=_user("hi"))

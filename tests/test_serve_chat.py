@@ -76,6 +76,13 @@ def test_a_prompt_too_long_is_an_error_line_not_a_crash(engine):
     assert "Hello there, friend." in text  # the session goes on
 
 
+def test_a_line_that_is_not_utf8_is_an_error_line_not_a_crash(engine):
+    # a terminal's stray byte reaches Python as a lone surrogate (surrogateescape), which no tokenizer encodes
+    text, _, _ = _chat(engine, ["hi \udcff there", "/system \udcff", "Say hello.", "/show"])
+    assert text.count("[error] that line is not valid UTF-8 text") == 2
+    assert "Hello there, friend." in text and "history=2 messages" in text and "system=None" in text
+
+
 @pytest.mark.slow
 def test_the_chat_command_over_a_pipe(checkpoint):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -46,7 +46,8 @@ from posttrain.envs.episode import (
     run_episodes,
     trajectory_segments,
 )
-from posttrain.envs.parsing import PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser
+from posttrain.envs.parsing import (PARSERS, ParsedTurn, TagJsonParser, ToolCall, ToolCallParser, get_parser,
+                                    lone_surrogate)
 from posttrain.envs.policy import AsyncPolicy, SyncEnginePolicy, as_policy
 from posttrain.envs.single_turn import SingleTurnEnv
 from posttrain.envs.tokens import PromptRenderer, TranscriptTokens
@@ -93,6 +94,7 @@ __all__ = [
     "evaluate_expression",
     "get_parser",
     "get_tool",
+    "lone_surrogate",
     "guarded",
     "judging_wall_seconds",
     "make_environment",

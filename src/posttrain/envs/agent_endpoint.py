@@ -36,7 +36,7 @@ from typing import Any
 
 from posttrain.envs.agent_http import error_body, json_body
 from posttrain.envs.base import EnvError
-from posttrain.envs.parsing import get_parser
+from posttrain.envs.parsing import get_parser, lone_surrogate
 from posttrain.envs.policy import turn_sampling
 from posttrain.envs.tokens import TranscriptTokens, strip_eos
 from posttrain.types import Completion, GenerationRequest, Message, SamplingParams
@@ -112,6 +112,9 @@ class RecordingEndpoint:
             request = json.loads(body or b"null")
             if not isinstance(request, dict):
                 raise _Refusal(400, "the body must be a JSON object")
+            where = lone_surrogate(request)
+            if where is not None:  # a JSON escape such as \\ud800 on its own: text no tokenizer can encode
+                raise _Refusal(400, f"{where}: not valid Unicode text (a lone surrogate)")
             response = await self.chat(request)
         except (json.JSONDecodeError, RecursionError) as error:
             return error_body(400, f"the body is not JSON ({type(error).__name__}: {error})")

@@ -120,3 +120,23 @@ def get_parser(name_or_parser: str | ToolCallParser | None) -> ToolCallParser:
     if name_or_parser not in PARSERS:
         raise EnvError(f"unknown tool-call parser '{name_or_parser}'; known: {', '.join(sorted(PARSERS))}")
     return PARSERS[name_or_parser]
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Where in a parsed JSON body (dicts, lists, strings) a string or key holds a lone surrogate, as a dotted path
+    (``messages.0.content``; ``body`` for the top); None when every text is valid Unicode."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        texts = [item] if isinstance(item, str) else list(item) if isinstance(item, dict) else []
+        for text in texts:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return ".".join(str(part) for part in path) or "body"
+        if isinstance(item, dict):
+            stack.extend(((*path, key), inner) for key, inner in item.items())
+        elif isinstance(item, list):
+            stack.extend(((*path, index), inner) for index, inner in enumerate(item))
+    return None

@@ -200,6 +200,8 @@ def _validation_error(error: RequestValidationError) -> APIError:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         if item.get("type") == "json_invalid":
             return APIError(400, f"the request body is not valid JSON: {item.get('msg')}")
+        if item.get("type") == "lone_surrogate":
+            location = item["ctx"]["path"]
         if item.get("type") == "extra_forbidden":
             problems.append(f"{location}: unknown or unsupported parameter")
         else:

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import torch
 
 from posttrain.chat import chat_ids
+from posttrain.envs import lone_surrogate
 from posttrain.rollout import ContinuousBatcher, RolloutError, StreamRequest
 from posttrain.serve.errors import ServeError
 from posttrain.serve.prompting import TextStream
@@ -140,6 +141,9 @@ def run_chat(engine: Any, settings: ChatSettings, stdin: TextIO, stdout: TextIO)
             return
         line = line.strip()
         if not line:
+            continue
+        if lone_surrogate(line) is not None:  # bytes that are not UTF-8, decoded with surrogateescape
+            write("[error] that line is not valid UTF-8 text; nothing was sent\n")
             continue
         if line.startswith("/"):
             if not _command(session, line, write):

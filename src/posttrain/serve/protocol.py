@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from posttrain.envs import lone_surrogate
 
 IGNORED_FIELDS = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")
 
@@ -101,6 +104,15 @@ class _Sampling(_Strict):
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where is not None:  # JSON's \\ud800 escapes decode to text no tokenizer (or UTF-8) can take
+            raise PydanticCustomError("lone_surrogate", "not valid Unicode text (a lone surrogate, such as "
+                                      "the JSON escape \\ud800 on its own)", {"path": where})
+        return data
 
     @field_validator("stop")
     @classmethod
