@@ -123,3 +123,23 @@ def test_recipe_errors(tmp_path, rewards_file):
     with pytest.raises(Exception, match="verifier 'code'"):
         with_reward_terms(task, [{"name": "code", "weight": 1.0, "verifier": "code", "args": None}])
     assert REWARD_TERMS_KEY not in task.metadata
+
+
+@pytest.mark.bwrap
+def test_a_binary_verifier_term_scores_the_verdict_not_the_partial_credit():
+    """`binary: true` on a verifier term: the code verifier's share of cases passed becomes 1 or 0 (RLVR's
+    all-or-nothing reward); its own score stays in the details; a function term cannot be binary."""
+    cases = [{"args": [x], "expected": x > 3} for x in (-5, 0, 2, 4, 9, 20)]
+    task = Task(id="c1", domain="code", messages=[{"role": "user", "content": "is_big(x): x > 3"}], verifier="code",
+                verifier_args={"tests": {"function": "is_big", "cases": cases}})
+    wrong_constant = "```python\ndef is_big(x):\n    return x > 1\n```"  # fails only the case x = 2
+    right = "```python\ndef is_big(x):\n    return x > 3\n```"
+    partial = with_reward_terms(task, reward_terms(RLRecipe(rewards=[{"verifier": "task"}])))
+    binary = with_reward_terms(task, reward_terms(RLRecipe(rewards=[{"verifier": "task", "binary": True}])))
+    assert asyncio.run(judge_terms(partial, wrong_constant)).score == pytest.approx(5 / 6)
+    judged = asyncio.run(judge_terms(binary, wrong_constant))
+    assert judged.score == 0.0 and not judged.passed and judged.components == {"task": 0.0}
+    assert judged.details["task"]["verifier_score"] == pytest.approx(5 / 6)
+    assert asyncio.run(judge_terms(binary, right)).score == 1.0
+    with pytest.raises(Exception, match="binary: only a verifier term"):
+        RLRecipe(rewards=[{"function": "m:f", "binary": True}])

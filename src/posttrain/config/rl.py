@@ -36,6 +36,9 @@ class RewardTerm(Section):
     args: dict[str, Any] | None = None  # verifier terms: its arguments (unset = the task's verifier_args)
     weight: float = 1.0
     name: str | None = None  # the logged name; default the function's or the verifier's name
+    binary: bool = False  # verifier terms: 1 when the verifier passes, else 0 (no partial credit, e.g. the share of
+    #                       code cases passed); the verifier's own score stays in the episode's details
+
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -45,6 +48,8 @@ class RewardTerm(Section):
             raise ValueError(f"function: expected 'module:function' or 'file.py:function', got {self.function!r}")
         if self.function is not None and self.args is not None:
             raise ValueError("args: only a verifier term takes args (a function gets the completion and the task)")
+        if self.function is not None and self.binary:
+            raise ValueError("binary: only a verifier term has a verdict to score by (a function returns its score)")
         return self
 
     @property

@@ -10,7 +10,8 @@
 The episode's reward is ``score = sum(weight * term)`` over the terms (a sum, as TRL does, so a score may leave
 [0, 1]); ``components`` holds each term's raw value under its name (the trainer logs ``reward/<name>``). A
 ``verifier`` term runs that registered verifier with its ``args`` (default: the task's own ``verifier_args``;
-``verifier: task`` is the task's own verifier). ``passed`` is the verifier terms' verdict (all of them pass); with
+``verifier: task`` is the task's own verifier; ``binary: true`` makes the term 1 when the verifier passes and 0
+otherwise, dropping its partial credit). ``passed`` is the verifier terms' verdict (all of them pass); with
 function terms only, a positive score passes.
 
 A function that raises, or returns something that is not a finite number, makes the episode an infrastructure
@@ -40,7 +41,7 @@ from posttrain.verify.registry import check_verifier_args, get_verifier, is_bloc
 
 log = logging.getLogger(__name__)
 
-REWARD_TERMS_KEY = "reward_terms"  # Task.metadata: [{"name", "weight", "function"} | {"name", "weight", "verifier", "args"}]
+REWARD_TERMS_KEY = "reward_terms"  # Task.metadata: [{"name", "weight", "function"} | {"name", "weight", "verifier", "args"[, "binary"]}]
 _reported: set[tuple[str, str]] = set()  # (term, error) already logged with its traceback: once each per process
 
 
@@ -81,7 +82,11 @@ async def _verifier_term(term: dict[str, Any], task: Task, completion: str,
                          final_state: dict[str, Any] | None) -> Reward:
     name = _verifier_name(term, task)
     judge = functools.partial(get_verifier(name), completion, final_state=final_state, **_verifier_args(term, task))
-    return judge() if not is_blocking(name) else await asyncio.to_thread(judge)
+    reward = judge() if not is_blocking(name) else await asyncio.to_thread(judge)
+    if term.get("binary") and not reward.is_infrastructure_failure:  # the verdict, not the partial credit
+        return dataclasses.replace(reward, score=float(reward.passed),
+                                   details={**reward.details, "verifier_score": reward.score})
+    return reward
 
 
 async def _function_term(term: dict[str, Any], task: Task, completion: str) -> Reward:
