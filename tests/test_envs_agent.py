@@ -544,9 +544,10 @@ def test_text_that_is_not_unicode_is_refused_by_name(tiny_tokenizer):
     """JSON lets a body escape a lone surrogate (\\ud800), which no tokenizer can encode: a 400 naming where, not a
     crash of the endpoint (an agent crash is an infrastructure failure, masked instead of scored)."""
     endpoint = _endpoint(tiny_tokenizer, ["x" + END, "y" + END])
-    for body, where in [(b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
-                        (b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": '
-                         b'"function", "function": {"name": "f\\udc80", "parameters": {}}}]}', "tools.0.function.name")]:
+    in_content = b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+    in_a_tool = (b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
+                 b'"function": {"name": "f\\udc80", "parameters": {}}}]}')
+    for body, where in [(in_content, "messages.0.content"), (in_a_tool, "tools.0.function.name")]:
         status, _, payload = asyncio.run(endpoint.handle("POST", "/v1/chat/completions", {"authorization": "Bearer k"},
                                                          body))
         assert status == 400 and where in json.loads(payload)["error"]["message"], payload

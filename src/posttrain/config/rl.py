@@ -39,7 +39,6 @@ class RewardTerm(Section):
     binary: bool = False  # verifier terms: 1 when the verifier passes, else 0 (no partial credit, e.g. the share of
     #                       code cases passed); the verifier's own score stays in the episode's details
 
-
     @model_validator(mode="after")
     def _one_kind(self):
         if (self.function is None) == (self.verifier is None):

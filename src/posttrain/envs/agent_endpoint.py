@@ -113,7 +113,7 @@ class RecordingEndpoint:
             if not isinstance(request, dict):
                 raise _Refusal(400, "the body must be a JSON object")
             where = lone_surrogate(request)
-            if where is not None:  # a JSON escape such as \\ud800 on its own: text no tokenizer can encode
+            if where is not None:  # a JSON escape such as \ud800 on its own: text no tokenizer can encode
                 raise _Refusal(400, f"{where}: not valid Unicode text (a lone surrogate)")
             response = await self.chat(request)
         except (json.JSONDecodeError, RecursionError) as error:

@@ -109,7 +109,7 @@ class _Sampling(_Strict):
     @classmethod
     def _unicode(cls, data: Any) -> Any:
         where = lone_surrogate(data)
-        if where is not None:  # JSON's \\ud800 escapes decode to text no tokenizer (or UTF-8) can take
+        if where is not None:  # JSON's \ud800 escapes decode to text no tokenizer (or UTF-8) can take
             raise PydanticCustomError("lone_surrogate", "not valid Unicode text (a lone surrogate, such as "
                                       "the JSON escape \\ud800 on its own)", {"path": where})
         return data

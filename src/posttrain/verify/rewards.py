@@ -41,7 +41,8 @@ from posttrain.verify.registry import check_verifier_args, get_verifier, is_bloc
 
 log = logging.getLogger(__name__)
 
-REWARD_TERMS_KEY = "reward_terms"  # Task.metadata: [{"name", "weight", "function"} | {"name", "weight", "verifier", "args"[, "binary"]}]
+# Task.metadata: [{"name", "weight", "function"} | {"name", "weight", "verifier", "args"[, "binary"]}]
+REWARD_TERMS_KEY = "reward_terms"
 _reported: set[tuple[str, str]] = set()  # (term, error) already logged with its traceback: once each per process
 
 
