@@ -260,12 +260,25 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
         (dict(model=MODEL, messages=_user("hi"), tool_choice="required"), 400, "tool"),
         (dict(model=MODEL, messages=_user("hi"), frequency_penalty=1.0), 400, "penalt"),
         (dict(model=MODEL, messages=_user("hi"), bogus_field=1), 400, "bogus_field"),
+        # strict types, as OpenAI's: none of these is coerced into a request the client did not write
+        (dict(model=MODEL, messages=_user("hi"), max_tokens="5"), 400, "max_tokens"),
+        (dict(model=MODEL, messages=_user("hi"), stream="yes"), 400, "stream"),
+        (dict(model=MODEL, messages=_user("hi"), n=2.0), 400, "n"),
+        (dict(model=MODEL, messages=_user("hi"), logprobs=1), 400, "logprobs"),
+        (dict(model=MODEL, messages=_user("hi"), temperature="0.5"), 400, "temperature"),
     ]
     for body, status, words in cases:
         code, payload = _post(server.url + "/v1/chat/completions", body)
         assert code == status, (body, payload)
         assert set(payload["error"]) >= {"message", "type", "param", "code"}
         assert words in payload["error"]["message"], payload
+    for field, value in [("max_tokens", "5"), ("stream", "yes"), ("seed", True)]:
+        code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": "hi", field: value})
+        assert code == 400 and payload["error"]["param"] == field, payload
+    # a whole-number temperature is a number: accepted, as OpenAI accepts it
+    code, payload = _post(server.url + "/v1/chat/completions", dict(model=MODEL, messages=_user("hi"), temperature=1,
+                                                                     max_tokens=2))
+    assert code == 200, payload
     code, payload = _post(server.url + "/v1/chat/completions", b"{not json")
     assert code == 400 and "JSON" in payload["error"]["message"]
     code, payload = _post(server.url + "/v1/chat/completions", b"[" * 100_000)  # past the JSON parser's depth

@@ -4,6 +4,10 @@ Only what the server can honour is accepted: a parameter it cannot honour (``log
 ``presence_penalty``, image parts ...) is a 400 that names it, never silently ignored. A few fields clients
 send by habit and that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``,
 ``service_tier``) are accepted and ignored. Everything else unknown is a 400 naming the field.
+
+Types are strict, as OpenAI's own API is: ``"max_tokens": "5"``, ``"stream": "yes"``, ``"n": 2.0`` or
+``"logprobs": 1`` are 400s naming the field, not coerced into a request the client did not write (an integer
+where a number is asked, ``"temperature": 1``, is a number).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ IGNORED_FIELDS = ("user", "metadata", "store", "parallel_tool_calls", "service_t
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
