@@ -168,6 +168,22 @@ def test_non_utf8_line_and_empty_file_are_named(tmp_path):
             read_samples(DataSource(path=str(tmp_path / name)))
 
 
+def test_a_byte_order_mark_as_windows_tools_write_it_is_not_part_of_the_first_record(tmp_path):
+    # Notepad's UTF-8 and Excel's "CSV UTF-8" start the file with EF BB BF: it was "malformed JSON" on line 1,
+    # and in a CSV it joined the first header (a column "\ufeffinstruction" that no mapping names)
+    jsonl = tmp_path / "notepad.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"messages": CHAT}) + "\r\n" for _ in range(2)).encode())
+    assert [s.messages for s in read_samples(DataSource(path=str(jsonl)))] == [CHAT, CHAT]
+    csv_path = tmp_path / "excel.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbfinstruction,output\r\n2+2?,4\r\n")
+    assert read_samples(DataSource(path=str(csv_path)))[0].messages == CHAT
+    # only at the start of the file: further down it is a character of that line's text
+    later = tmp_path / "later.jsonl"
+    later.write_bytes(json.dumps({"messages": CHAT}).encode() + b"\n\xef\xbb\xbf" + json.dumps({"messages": CHAT}).encode())
+    with pytest.raises(DataError, match=rf"{later}:2: malformed JSON"):
+        read_samples(DataSource(path=str(later)))
+
+
 def test_packing_error_names_the_samples_origin():
     sample = TokenizedSample([1] * 20, [1] * 20)
     sample.metadata.origin = "train.jsonl:7"

@@ -175,6 +175,9 @@ def read_jsonl_records(
     yield from _jsonl_records(path, on_invalid, rejects)
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark
+
+
 def _jsonl_records(
     path: Path, on_invalid: OnInvalid, rejects: RejectLog | None
 ) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -182,6 +185,8 @@ def _jsonl_records(
     content = False
     with path.open("rb") as handle:
         for line_no, raw_line in enumerate(handle, start=1):
+            if line_no == 1 and raw_line.startswith(_BOM):  # as Windows editors save UTF-8: a mark, not text
+                raw_line = raw_line[len(_BOM):]
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -292,7 +297,8 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
 def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """CSV rows as records of strings; the location is the row's first line (the header is line 1)."""
     try:
-        with path.open(encoding="utf-8", newline="") as handle:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark that would otherwise join the first header
+        with path.open(encoding="utf-8-sig", newline="") as handle:
             reader = csv.DictReader(handle)
             line = reader.line_num + 1
             for row in reader:
