@@ -62,6 +62,20 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_recipe(path)
 
 
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    # YAML loaders keep the last of two equal keys silently: this recipe would have trained with batch_size 8
+    # and the default epochs, the first `train:` section lost
+    path = write(tmp_path, "stage: sft\ntrain: {epochs: 3, batch_size: 4}\noptim: {lr: 1.0e-4}\ntrain: {batch_size: 8}\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml:4: 'train' is given twice \(first on line 2\)"):
+        load_recipe(path)
+    nested = write(tmp_path, "stage: sft\noptim:\n  lr: 1.0e-4\n  warmup_steps: 2\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml:5: 'optim.lr' is given twice \(first on line 3\)"):
+        load_recipe(nested)
+    # the same key in two different mappings is not a repeat
+    fine = write(tmp_path, "stage: sft\ndata: {train: [{path: a.jsonl, source: x}, {path: b.jsonl, source: y}]}\n")
+    assert [source.source for source in load_recipe(fine).data.train] == ["x", "y"]
+
+
 def test_unknown_stage(tmp_path):
     with pytest.raises(ConfigError, match="'stage' must be one of"):
         load_recipe(write(tmp_path, "stage: sfft\n"))

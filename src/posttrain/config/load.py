@@ -62,11 +62,13 @@ def load_recipe(
         text = file.read_text(encoding="utf-8")
         try:
             loaded = yaml.safe_load(text)
-            key_lines = _key_lines(yaml.compose(text))
+            tree = yaml.compose(text)
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f"{source}:{mark.line + 1}" if mark else source
             raise ConfigError(f"{where}: not valid YAML ({getattr(error, 'problem', error)})") from None
+        _refuse_repeated_keys(tree, source)
+        key_lines = _key_lines(tree)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -169,6 +171,25 @@ def _apply_override(data: dict[str, Any], override: str) -> tuple:
                 node[key] = {}
             node = node[key]
     return tuple(path)
+
+
+def _refuse_repeated_keys(node: yaml.Node | None, source: str, prefix: tuple = ()) -> None:
+    """A key given twice in one mapping is an error: YAML loaders keep the last silently, so a recipe with
+    two `train:` sections would run with the second alone."""
+    if isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            line = key_node.start_mark.line + 1
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value != "<<":  # merge keys may repeat
+                if key_node.value in first:
+                    dotted = ".".join(str(part) for part in (*prefix, key_node.value))
+                    raise ConfigError(f"{source}:{line}: '{dotted}' is given twice (first on line "
+                                      f"{first[key_node.value]}); keep one")
+                first[key_node.value] = line
+            _refuse_repeated_keys(value_node, source, (*prefix, key_node.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_repeated_keys(item, source, (*prefix, index))
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
