@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 from test_envs_scripted import ScriptedEngine
@@ -38,6 +39,17 @@ def broken(completion, task):
 
 def not_a_number(completion, task):
     return "high"
+
+
+def hangs(completion, task):  # a judge that never answers
+    import time
+    time.sleep(30)
+    return 1.0
+
+
+async def hangs_async(completion, task):
+    await asyncio.sleep(30)
+    return 1.0
 '''
 
 
@@ -143,3 +155,46 @@ def test_a_binary_verifier_term_scores_the_verdict_not_the_partial_credit():
     assert asyncio.run(judge_terms(binary, right)).score == 1.0
     with pytest.raises(Exception, match="binary: only a verifier term"):
         RLRecipe(rewards=[{"function": "m:f", "binary": True}])
+
+
+@pytest.mark.parametrize("name", ["hangs", "hangs_async"])
+def test_a_function_that_does_not_return_in_its_timeout_is_an_infrastructure_failure(rewards_file, caplog, name):
+    """An HTTP judge that never answers held the RL step forever; past `timeout_s` the episode is an infrastructure
+    failure (retried, then masked), and a hung synchronous one does not take the blocking verifiers' threads."""
+    terms = reward_terms(RLRecipe(rewards=[{"verifier": "math"}, {"function": f"{rewards_file}:{name}",
+                                                                   "timeout_s": 0.5}]))
+    assert terms[1]["timeout_s"] == 0.5
+    task = with_reward_terms(_task(), terms)
+
+    async def judge_while_hung():
+        started = time.monotonic()
+        hung = asyncio.gather(*(judge_terms(task, "\\boxed{42}") for _ in range(40)))  # more than any pool's threads
+        await asyncio.sleep(0.1)
+        # asyncio's default pool (the blocking verifiers', asyncio.to_thread) is still free
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
+        return await hung, time.monotonic() - started
+
+    with caplog.at_level(logging.ERROR, logger="posttrain.verify.rewards"):
+        rewards, seconds = asyncio.run(judge_while_hung())
+    assert seconds < 10
+    for reward in rewards:
+        assert reward.is_infrastructure_failure and reward.score == 0.0
+        assert "did not return within timeout_s=0.5 s" in reward.details[name]["error"]
+    assert any(f"reward function {rewards_file}:{name} failed" in r.message for r in caplog.records)
+
+
+def test_the_function_timeout_is_the_recipe_default_and_only_a_function_term_takes_one(rewards_file):
+    from posttrain.config.rl import FUNCTION_TIMEOUT_S as RECIPE_DEFAULT
+    from posttrain.verify.rewards import FUNCTION_TIMEOUT_S
+
+    assert RECIPE_DEFAULT == FUNCTION_TIMEOUT_S == 120.0
+    [term] = reward_terms(RLRecipe(rewards=[{"function": f"{rewards_file}:brevity"}]))
+    assert term["timeout_s"] == FUNCTION_TIMEOUT_S
+    [term] = reward_terms(RLRecipe(rewards=[{"function": f"{rewards_file}:brevity", "timeout_s": None}]))
+    assert term["timeout_s"] is None  # no bound, as asked
+    with pytest.raises(Exception, match="timeout_s: only a function term"):
+        RLRecipe(rewards=[{"verifier": "math", "timeout_s": 5}])
+    # a recipe saved with its defaults loads back (the verifier term's default timeout_s is not "set")
+    recipe = RLRecipe(rewards=[{"verifier": "math"}, {"function": f"{rewards_file}:brevity", "timeout_s": 3}])
+    again = RLRecipe.model_validate(recipe.model_dump(mode="json"))
+    assert [t.timeout_s for t in again.rewards] == [FUNCTION_TIMEOUT_S, 3]

@@ -22,6 +22,11 @@ from posttrain.config.eval import RegressionSuite
 from posttrain.config.load import recipe
 
 
+# A function term's default bound on one call; the judge's own default, posttrain.verify.rewards.FUNCTION_TIMEOUT_S,
+# is the same (config imports nothing of ours; a test holds them equal)
+FUNCTION_TIMEOUT_S = 120.0
+
+
 class RewardTerm(Section):
     """One term of the RL reward (TRL's reward functions): a function of your own or a registered verifier.
 
@@ -38,6 +43,9 @@ class RewardTerm(Section):
     name: str | None = None  # the logged name; default the function's or the verifier's name
     binary: bool = False  # verifier terms: 1 when the verifier passes, else 0 (no partial credit, e.g. the share of
     #                       code cases passed); the verifier's own score stays in the episode's details
+    # function terms: seconds one call may take (null: no bound); past it the episode is an infrastructure
+    # failure, retried and masked, not scored
+    timeout_s: float | None = Field(FUNCTION_TIMEOUT_S, gt=0)
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -49,6 +57,8 @@ class RewardTerm(Section):
             raise ValueError("args: only a verifier term takes args (a function gets the completion and the task)")
         if self.function is not None and self.binary:
             raise ValueError("binary: only a verifier term has a verdict to score by (a function returns its score)")
+        if self.verifier is not None and self.timeout_s != FUNCTION_TIMEOUT_S:
+            raise ValueError("timeout_s: only a function term takes one (a verifier has its own time limits)")
         return self
 
     @property
@@ -381,7 +391,8 @@ class RLRecipe(Section):
         if self.cluster.context_parallel != 1:
             raise ValueError("cluster.context_parallel: context parallelism is wired into the sft recipe only; "
                              "an RL recipe takes 1 (the default)")
-        if "critic" in self.model_fields_set and self.algorithm.advantage != "gae":
+        # a critic section as the defaults leave it is no request (a saved recipe writes every section out)
+        if self.critic != CriticConfig() and self.algorithm.advantage != "gae":
             raise ValueError(f"critic: the critic is used only with algorithm.advantage: gae "
                              f"(it is '{self.algorithm.advantage}'): set it, or drop the critic section")
         labels = [term.label for term in self.rewards]

@@ -14,18 +14,22 @@ The episode's reward is ``score = sum(weight * term)`` over the terms (a sum, as
 otherwise, dropping its partial credit). ``passed`` is the verifier terms' verdict (all of them pass); with
 function terms only, a positive score passes.
 
-A function that raises, or returns something that is not a finite number, makes the episode an infrastructure
-failure (``FailureClass.INFRA``, its traceback in ``details`` and in the log) - retried by the episode loop and
+A function that raises, returns something that is not a finite number, or does not return within its term's
+``timeout_s`` (default 120 s; an HTTP judge that never answers) makes the episode an infrastructure failure (``FailureClass.INFRA``, its traceback in ``details`` and in the log) - retried by the episode loop and
 masked out of training if it persists, never a reward of 0 the model would learn from. So does a verifier term's
 own infrastructure failure.
 
 The terms travel on the task (``task.metadata[REWARD_TERMS_KEY]``, plain dicts), so a Ray rollout worker judges
 exactly as the local process does; a function is imported where it runs (`posttrain.usercode.resolve_function`).
+A synchronous function runs on a thread pool of its own, so one that hangs holds up neither the event loop nor
+the blocking verifiers (which use asyncio's default pool); past its timeout its thread cannot be stopped and runs
+on in the background, named in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -41,8 +45,11 @@ from posttrain.verify.registry import check_verifier_args, get_verifier, is_bloc
 
 log = logging.getLogger(__name__)
 
-# Task.metadata: [{"name", "weight", "function"} | {"name", "weight", "verifier", "args"[, "binary"]}]
+# Task.metadata: [{"name", "weight", "function", "timeout_s"} | {"name", "weight", "verifier", "args"[, "binary"]}]
 REWARD_TERMS_KEY = "reward_terms"
+FUNCTION_TIMEOUT_S = 120.0  # a function term's default bound on one call
+# Synchronous reward functions: a pool of their own, so hung ones cannot starve asyncio's default pool
+_FUNCTION_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-reward-fn")
 _reported: set[tuple[str, str]] = set()  # (term, error) already logged with its traceback: once each per process
 
 
@@ -92,14 +99,14 @@ async def _verifier_term(term: dict[str, Any], task: Task, completion: str,
 
 async def _function_term(term: dict[str, Any], task: Task, completion: str) -> Reward:
     ref = term["function"]
+    timeout = term.get("timeout_s", FUNCTION_TIMEOUT_S)
     try:
-        function = _function(ref)
-        if inspect.iscoroutinefunction(function):
-            value = await function(completion, task)
-        else:  # it may wait (an HTTP judge, a subprocess): keep the event loop serving other episodes
-            value = await asyncio.to_thread(function, completion, task)
-            if inspect.isawaitable(value):
-                value = await value
+        call = _call(_function(ref), completion, task)
+        try:
+            value = await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+        except asyncio.TimeoutError:
+            raise UserCodeError(f"reward function {ref} did not return within timeout_s={timeout:g} s (a "
+                                "synchronous one runs on in the background: its thread cannot be stopped)") from None
         score = _number(value, ref)
     except Exception as error:  # noqa: BLE001 - the user's function failed: the system's failure, never a 0
         trace = traceback.format_exc(limit=8)
@@ -111,6 +118,15 @@ async def _function_term(term: dict[str, Any], task: Task, completion: str) -> R
         return Reward(0.0, False, FailureClass.INFRA,
                       details={"reward_function": ref, "error": key[1], "traceback": trace})
     return Reward(score, True)
+
+
+async def _call(function: Callable[..., Any], completion: str, task: Task) -> Any:
+    if inspect.iscoroutinefunction(function):
+        return await function(completion, task)
+    # it may wait (an HTTP judge, a subprocess): keep the event loop serving other episodes
+    loop = asyncio.get_running_loop()
+    value = await loop.run_in_executor(_FUNCTION_POOL, functools.partial(function, completion, task))
+    return await value if inspect.isawaitable(value) else value
 
 
 @functools.lru_cache(maxsize=None)
