@@ -184,6 +184,14 @@ def test_a_byte_order_mark_as_windows_tools_write_it_is_not_part_of_the_first_re
         read_samples(DataSource(path=str(later)))
 
 
+def test_a_conversation_that_opens_with_a_reply_is_named_not_a_template_failure(tmp_path):
+    # it was "the chat template failed on 0 messages: Cannot apply chat template to an empty conversation"
+    path = write_jsonl(tmp_path / "greeting.jsonl", [{"messages": CHAT}, {"messages": [
+        {"role": "assistant", "content": "Hello! How can I help?"}, *CHAT]}])
+    with pytest.raises(DataError, match=rf"{path}:2: messages\[0\]\.role: the conversation starts with an assistant"):
+        read_samples(DataSource(path=str(path)))
+
+
 def test_packing_error_names_the_samples_origin():
     sample = TokenizedSample([1] * 20, [1] * 20)
     sample.metadata.origin = "train.jsonl:7"

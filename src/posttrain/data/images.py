@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 from posttrain.chat import IMAGE_PART_TYPES
 from posttrain.config import DataSource
 from posttrain.data.readers import OnInvalid, RejectLog, read_records, resolve_path, where
-from posttrain.data.schema import DataError, RecordError, SampleMetadata, _validate_metadata, message_role
+from posttrain.data.schema import (
+    DataError,
+    RecordError,
+    SampleMetadata,
+    _validate_metadata,
+    message_role,
+    require_prompt_first,
+)
 from posttrain.types import Message
 
 if TYPE_CHECKING:
@@ -153,6 +160,8 @@ def validate_vision_record(record: Any, *, base_dir: str | Path | None = None, d
                           "{type: image} part")
     if require_assistant and not any(m["role"] == "assistant" for m in clean):
         raise RecordError("messages", "no assistant turn (nothing to train on)")
+    if require_assistant:
+        require_prompt_first(clean)
     meta = record.get("metadata", {}) or {}
     if not isinstance(meta, dict):
         raise RecordError("metadata", f"expected an object, got {type(meta).__name__}")

@@ -81,6 +81,14 @@ class SFTSample:
         return {"messages": self.messages, "metadata": self.metadata.to_dict()}
 
 
+def require_prompt_first(messages: list[Message]) -> None:
+    """A reply is trained on as the answer to what came before it: a conversation that opens with one has no
+    prompt to render before it (chat templates refuse an empty conversation), so it is the record's error."""
+    if messages[0]["role"] == "assistant":
+        raise RecordError("messages[0].role", "the conversation starts with an assistant turn, which has no prompt "
+                          "before it to be trained as a reply to; put a system or user message first, or drop it")
+
+
 def validate_record(record: Any, default_source: str | None = None) -> SFTSample:
     """Check one raw record and build the sample; raise `RecordError` with the offending field."""
     if not isinstance(record, dict):
@@ -93,6 +101,7 @@ def validate_record(record: Any, default_source: str | None = None) -> SFTSample
     clean = [_validate_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in clean):
         raise RecordError("messages", "no assistant turn (nothing to train on)")
+    require_prompt_first(clean)
     meta = record.get("metadata", {}) or {}
     if not isinstance(meta, dict):
         raise RecordError("metadata", f"expected an object, got {type(meta).__name__}")
