@@ -74,3 +74,22 @@ def test_bad_sources_are_clear_errors(tmp_path, tiny_tokenizer):
         export_model(tmp_path / "empty", tmp_path)
     with pytest.raises(ModelError, match="--dtype"):
         export_model(tmp_path / "empty", tmp_path / "out", dtype="int8")
+
+
+def test_a_destination_holding_anything_but_a_model_is_never_replaced(tmp_path, tiny_tokenizer):
+    """`posttrain export runs/sft ~/models` replaced the whole directory: every other model in it was deleted."""
+    source = save_model_dir(tmp_path / "model", build_tiny_model("tiny-1m", tiny_tokenizer, seed=3), tiny_tokenizer)
+    shelf = tmp_path / "models"
+    (shelf / "other-model").mkdir(parents=True)
+    (shelf / "other-model" / "weights.bin").write_bytes(b"precious")
+    with pytest.raises(ModelError, match="not empty and holds no model"):
+        export_model(source, shelf)
+    assert (shelf / "other-model" / "weights.bin").read_bytes() == b"precious"
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ModelError, match="a file is there"):
+        export_model(source, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    # a new path, an empty directory and an earlier export are written
+    (tmp_path / "empty").mkdir()
+    for destination in (shelf / "exported", tmp_path / "empty", shelf / "exported"):
+        assert (export_model(source, destination) / "config.json").is_file()

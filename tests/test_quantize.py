@@ -126,6 +126,11 @@ def test_cli_quantize_and_its_errors(tmp_path, float_dir, int8_dir, tiny_tokeniz
         quantize_checkpoint(tmp_path / "missing", tmp_path / "m", to="int8")
     with pytest.raises(ModelError, match="would replace"):
         quantize_checkpoint(float_dir, float_dir, to="int8")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    with pytest.raises(ModelError, match="not empty and holds no model"):  # it was replaced whole
+        quantize_checkpoint(float_dir, tmp_path / "mine", to="int8")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "kept"
     scorer = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32,
                                                         intermediate_size=64, num_hidden_layers=1,
                                                         num_attention_heads=2, num_labels=1))

@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a model directory, a checkpoint, a run directory (its final/) or a LoRA "
                                            "adapter (merged first)")
     parser.add_argument("--to", required=True, help="int8 (per-row int8 weights) or int4 (per-group int4 weights)")
-    parser.add_argument("--out", default=None, help="the directory to write (replaced if it exists; default: "
+    parser.add_argument("--out", default=None, help="the directory to write (an earlier model directory there is "
+                                                    "replaced, one holding anything else refused; default: "
                                                     "CHECKPOINT-int8 / CHECKPOINT-int4 beside it)")
     parser.add_argument("--group-size", type=int, default=32,
                         help="int4: input columns sharing one scale (default 32; must divide the layer widths)")

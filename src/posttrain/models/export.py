@@ -9,7 +9,8 @@ What is exported, from what `RUN_DIR` names:
 - a checkpoint or any Hugging Face model directory: as it is (a causal LM, or a reward model saved as an
   `AutoModelForSequenceClassification`, with its `reward_stats.json`).
 
-The destination is written atomically (a crash leaves no half directory) with the tokenizer beside the weights.
+The destination is written atomically (a crash leaves no half directory) with the tokenizer beside the weights. It
+replaces an earlier model directory there, never a directory of anything else (`check_destination`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def export_model(source: str | Path, destination: str | Path, *, dtype: str | No
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     source, destination = Path(source), Path(destination)
-    if destination.resolve() == source.resolve() or destination.resolve() in source.resolve().parents:
-        raise ModelError(f"{destination}: the destination would replace what is exported from ({source})")
+    check_destination(source, destination, "exported from")
     model_dir, adapter_dir = resolve_export_source(source)
     model = _load(model_dir)
     if adapter_dir is not None:
@@ -51,6 +51,21 @@ def export_model(source: str | Path, destination: str | Path, *, dtype: str | No
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, destination / name)
     return destination
+
+
+def check_destination(source: Path, destination: Path, verb: str) -> None:
+    """Refuse a destination whose replacement would lose something: the source itself or a directory above it,
+    a file, or a directory that holds anything but a model (`posttrain export runs/sft ~/models` must not
+    delete every other model there). An empty directory, or a model directory (config.json: an earlier
+    export), is replaced."""
+    if destination.resolve() == source.resolve() or destination.resolve() in source.resolve().parents:
+        raise ModelError(f"{destination}: the destination would replace what is {verb} ({source})")
+    if destination.exists() and not destination.is_dir():
+        raise ModelError(f"{destination}: a file is there; give a directory path for the model")
+    if destination.is_dir() and any(destination.iterdir()) and not (destination / "config.json").is_file():
+        raise ModelError(f"{destination}: a directory that is not empty and holds no model (no config.json); the "
+                         "model would replace everything in it, so nothing was written: give a new directory "
+                         f"path (e.g. {destination / 'model'})")
 
 
 def resolve_export_source(source: Path) -> tuple[Path, Path | None]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from posttrain.models.checkpoint import save_model_dir
-from posttrain.models.export import export_model, resolve_export_source
+from posttrain.models.export import check_destination, export_model, resolve_export_source
 from posttrain.models.load import QUANTIZE_HINT, ModelError
 
 TARGETS = ("int8", "int4")
@@ -49,8 +49,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, *, to: str,
     if group_size < 1:
         raise ModelError(f"--group-size: must be >= 1, got {group_size}")
     source, destination = Path(source), Path(destination)
-    if destination.resolve() == source.resolve() or destination.resolve() in source.resolve().parents:
-        raise ModelError(f"{destination}: the destination would replace what is quantized ({source})")
+    check_destination(source, destination, "quantized")
     scheme = torchao_config(to, group_size)
     model_dir, adapter_dir = resolve_export_source(source)
     _check_quantizable(model_dir, to, group_size)
