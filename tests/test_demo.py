@@ -11,6 +11,7 @@ import pytest
 from posttrain.config import ConfigError, load_recipe
 from posttrain.config.demo import DemoRecipe
 from posttrain.demo import run_demo
+from posttrain.types import PosttrainError
 
 
 def toy_recipe(tmp_path, stages: str, extra: list[str] | None = None) -> DemoRecipe:
@@ -65,6 +66,20 @@ def test_base_stage_keeps_heldout_items_out_of_the_demonstrations(tmp_path):
         assert test and not test & trained, name
         assert not validation & test and not validation & trained, name
     assert {t["difficulty"] for t in read_jsonl(data / "heldout_arithmetic.jsonl")} == {2, 3}
+
+
+def test_a_fresh_demo_clears_its_own_directory_and_never_one_holding_other_files(tmp_path):
+    """A fresh demo clears its output directory: `--output ~/work` deleted the user's files there."""
+    recipe = toy_recipe(tmp_path, "[]")
+    run_demo(recipe)
+    (tmp_path / "run" / "sft").mkdir()  # a stage's directory from an earlier run: the demo's own
+    run_demo(recipe)  # a demo directory is cleared and written again
+    assert not (tmp_path / "run" / "sft").exists() and (tmp_path / "run" / "summary.json").is_file()
+    (tmp_path / "run" / "thesis.tex").write_text("three years of work")
+    with pytest.raises(PosttrainError, match=r"holds files a demo does not write \(thesis.tex\).*nothing was deleted"):
+        run_demo(recipe)
+    assert (tmp_path / "run" / "thesis.tex").read_text() == "three years of work"
+    assert (tmp_path / "run" / "summary.json").is_file()
 
 
 def test_level_demos_may_not_repeat_the_spread_levels(tmp_path):

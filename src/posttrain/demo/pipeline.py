@@ -81,6 +81,7 @@ def run_demo(recipe: DemoRecipe, *, resume: bool = False) -> dict[str, Any]:
     root = Path(recipe.output_dir)
     if not resume and root.exists():
         # The demo regenerates everything it writes; a fresh run must not resume a stale checkpoint.
+        _require_demo_directory(root)
         say(f"[demo] starting fresh: clearing {root} (use --resume to continue it instead)")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -126,6 +127,24 @@ def print_summary(summary: dict[str, Any]) -> None:
     from posttrain.demo.summary import print_details
 
     print_details(summary)
+
+
+def _require_demo_directory(root: Path) -> None:
+    """A fresh demo clears its directory: refuse one that holds anything a demo does not write (`posttrain demo
+    --output ~/work` must not delete the user's files), with nothing deleted."""
+    from posttrain.demo.evaluation import EPISODE_CACHE
+    from posttrain.demo.report import REPORT_FILE, RESULTS_FILE
+    from posttrain.types import PosttrainError
+
+    if not root.is_dir():
+        raise PosttrainError(f"demo: {root} is a file; give --output a directory path")
+    ours = {"base", "data", EPISODE_CACHE, SUMMARY, f".{SUMMARY}.tmp", REPORT_FILE, RESULTS_FILE, *STAGES}
+    foreign = sorted(entry.name for entry in root.iterdir() if entry.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise PosttrainError(f"demo: {root} holds files a demo does not write ({shown}); a fresh demo clears its "
+                             "directory, so nothing was deleted: give --output a new path (or --resume a demo "
+                             "run there)")
 
 
 def _write_json(path: Path, data: Any) -> None:
