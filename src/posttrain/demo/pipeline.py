@@ -27,6 +27,8 @@ from posttrain.config import DataSource, DemoRecipe
 from posttrain.tracking import console, say
 
 SUMMARY = "summary.json"
+REPORT_FILE = "report.html"  # the report stage's, beside the summary
+RESULTS_FILE = "report.json"
 
 
 @dataclass
@@ -133,7 +135,6 @@ def _require_demo_directory(root: Path) -> None:
     """A fresh demo clears its directory: refuse one that holds anything a demo does not write (`posttrain demo
     --output ~/work` must not delete the user's files), with nothing deleted."""
     from posttrain.demo.evaluation import EPISODE_CACHE
-    from posttrain.demo.report import REPORT_FILE, RESULTS_FILE
     from posttrain.types import PosttrainError
 
     if not root.is_dir():

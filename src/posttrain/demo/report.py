@@ -20,13 +20,11 @@ from typing import Any
 from posttrain.config import EvalRecipe
 from posttrain.demo.base import SFT_FILE, heldout_file
 from posttrain.demo.evaluation import EPISODE_CACHE, TIMEOUT_SCALE
-from posttrain.demo.pipeline import DemoRun, demo_stage
+from posttrain.demo.pipeline import REPORT_FILE, RESULTS_FILE, DemoRun, demo_stage
 from posttrain.demo.summary import report_tables
 from posttrain.tracking import say
 from posttrain.types import Task
 
-REPORT_FILE = "report.html"
-RESULTS_FILE = "report.json"
 SAFETY = "safety"
 SAFETY_LEVELS = [1, 2, 3]
 SAFETY_ITEMS = 100
