@@ -20,7 +20,7 @@ from posttrain.config import SFTRecipe, load_recipe
 from posttrain.data import prepare_sft_data
 from posttrain.tasks import get_domain, sample_tasks
 from posttrain.tracking import read_metrics
-from posttrain.train import setup_runtime
+from posttrain.train import EarlierRunError, setup_runtime
 from posttrain.train.sft import evaluate_loss, run_sft
 
 
@@ -99,6 +99,26 @@ def test_resume_after_sigkill_continues_exactly(tmp_path, data_file):
     assert sorted(got) == sorted(expected) == list(range(1, 9))
     for step in range(4, 9):
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+
+
+def test_a_fresh_run_where_an_earlier_one_is_refuses_before_writing_anything(tmp_path, data_file):
+    """A second run without --resume in the same output_dir replaced the first's final model and, one
+    checkpoint at a time, its checkpoints (and appended to its metrics): a forgotten --resume cost the run."""
+    recipe = load_recipe(write_recipe(tmp_path, data_file, train={"max_steps": 4, "save_every": 2}), schema=SFTRecipe)
+    first = run_sft(recipe)
+    files = {path: path.read_bytes() for path in first.output_dir.rglob("*") if path.is_file()}
+    again = recipe.model_copy(update={"optim": recipe.optim.model_copy(update={"lr": 1e-4})})
+    with pytest.raises(EarlierRunError, match=r"holds an earlier run \(checkpoints up to step-000004\).*--resume"):
+        run_sft(again)
+    assert {path: path.read_bytes() for path in first.output_dir.rglob("*") if path.is_file()} == files
+    for what in ("checkpoints", "final"):  # a run that kept only its final model, or only its checkpoints
+        moved = tmp_path / "aside"
+        (first.output_dir / what).rename(moved)
+        with pytest.raises(EarlierRunError, match="holds an earlier run"):
+            run_sft(again)
+        moved.rename(first.output_dir / what)
+    assert run_sft(again, resume=True).steps == 4  # --resume continues it (here: already finished)
+    assert run_sft(again.model_copy(update={"output_dir": str(tmp_path / "new")})).steps == 4
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -220,8 +220,8 @@ def test_dpo_on_image_pairs_takes_every_loss_and_a_bad_image_names_the_prompt_pa
     bad["prompt"][0]["content"][0] = {"type": "image_url", "image_url": {"url": "images/missing.png"}}
     lines[1] = json.dumps(bad)
     data.write_text("\n".join(lines) + "\n")
-    with pytest.raises(DataError) as error:
-        run_dpo(_dpo_recipe(tmp_path, data))
+    with pytest.raises(DataError) as error:  # a run of its own (the first's directory holds that run)
+        run_dpo(_dpo_recipe(tmp_path, data).model_copy(update={"output_dir": str(tmp_path / "dpo-bad")}))
     assert str(error.value) == f"{data}:2: prompt[0].content[0]: no such image file 'images/missing.png'"
 
 

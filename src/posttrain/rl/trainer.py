@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from posttrain.config import ConfigError, RLRecipe, dump_recipe
+from posttrain.config import ConfigError, RLRecipe
 from posttrain.envs import trajectory_segments
 from posttrain.evaluate import SuiteScore
 from posttrain.models import (
@@ -93,6 +93,7 @@ from posttrain.tracking import Tracker, read_metrics, say
 from posttrain.train import (
     Runtime,
     find_checkpoint,
+    open_run_dir,
     prepare_model,
     resolve_compile,
     restore_training,
@@ -186,9 +187,7 @@ def run_rl_on(
 ) -> RLResult:
     """`run_rl` on the given backend (`local_backend`, or one of `posttrain.distributed`)."""
     import_all(recipe.imports)  # a recipe built in code (load_recipe imports them too; a second import is a no-op)
-    output_dir = Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    output_dir = open_run_dir(recipe, "rl", resume)
     runtime = setup_runtime(recipe.runtime)
     vision = wants_vision(recipe.model)
     if vision and recipe.runtime.compile == "auto":  # the decoder compile is for text models
@@ -240,7 +239,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
     policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
-    checkpoint = find_checkpoint(output_dir, "rl") if resume else None
+    checkpoint = find_checkpoint(output_dir, "rl", resume)
     if checkpoint is not None:
         cursor, pending = _restore(run, checkpoint)
     engine.update_weights(policy.weights(), cursor.step)

@@ -16,7 +16,14 @@ from posttrain.train.context_parallel import (
     context_parallel_loss_sum,
     zigzag_positions,
 )
-from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training, write_checkpoint
+from posttrain.train.checkpoint import (
+    EarlierRunError,
+    find_checkpoint,
+    open_run_dir,
+    restore_training,
+    save_training,
+    write_checkpoint,
+)
 from posttrain.train.forward import (
     ForwardParityError,
     check_forward_parity,
@@ -78,6 +85,7 @@ __all__ = [
     "Cursor",
     "DataParallel",
     "DistillResult",
+    "EarlierRunError",
     "ForwardParityError",
     "LOCAL",
     "LOSS_CHUNK_TOKENS",
@@ -106,6 +114,7 @@ __all__ = [
     "logprob_gap_stats",
     "logprob_tolerance",
     "lr_factor",
+    "open_run_dir",
     "optimizer_step",
     "per_token_policy_loss",
     "prepare_model",

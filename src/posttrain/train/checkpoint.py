@@ -27,9 +27,11 @@ from typing import Any, Callable
 
 import torch
 
+from posttrain.config import dump_recipe
 from posttrain.models import latest_checkpoint, load_training_state, load_weights_from_checkpoint, restore_rng
 from posttrain.models import save_checkpoint
 from posttrain.tracking import say
+from posttrain.types import PosttrainError
 from posttrain.train.parallel import LOCAL, DataParallel
 
 RESERVED_KEYS = frozenset({"optimizer", "scheduler", "cursor", "rng", "step"})
@@ -83,12 +85,45 @@ def write_checkpoint(
                            extra=write_extra)
 
 
-def find_checkpoint(output_dir: Path, stage: str) -> Path | None:
-    """The newest complete checkpoint of the run to resume, or None (said, and the run starts fresh)."""
+def find_checkpoint(output_dir: Path, stage: str, resume: bool = True) -> Path | None:
+    """With `resume`, the newest complete checkpoint of the run to resume, or None (said, and the run starts
+    fresh). Without, None, after checking that `output_dir` holds no earlier run: a fresh run there would replace
+    its final model and, checkpoint by checkpoint, its checkpoints (a forgotten --resume must not cost a run)."""
+    if not resume:
+        _require_no_earlier_run(Path(output_dir), stage)
+        return None
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is None:
         say(f"[{stage}] --resume: no checkpoint in {output_dir}, starting fresh")
     return checkpoint
+
+
+def open_run_dir(recipe: Any, stage: str, resume: bool, *, write_recipe: bool = True) -> Path:
+    """The recipe's `output_dir`, made, with the resolved recipe saved in it (`write_recipe`: False on ranks that
+    do not write). A fresh run (not `resume`) is refused, before anything is written, where an earlier run's model
+    or checkpoints are."""
+    output_dir = Path(recipe.output_dir)
+    if not resume:
+        _require_no_earlier_run(output_dir, stage)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if write_recipe:
+        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    return output_dir
+
+
+class EarlierRunError(PosttrainError):
+    """A fresh run was pointed at a directory that holds an earlier run's model or checkpoints."""
+
+
+def _require_no_earlier_run(output_dir: Path, stage: str) -> None:
+    checkpoint = latest_checkpoint(output_dir)
+    final = output_dir / "final"
+    if checkpoint is None and not final.is_dir():
+        return
+    held = f"checkpoints up to {checkpoint.name}" if checkpoint is not None else "its final model"
+    raise EarlierRunError(f"{stage}: {output_dir} holds an earlier run ({held}); a fresh run there would replace "
+                          "it, so nothing was started: --resume continues it, or set output_dir to a new "
+                          "directory (or remove this one)")
 
 
 def restore_training(

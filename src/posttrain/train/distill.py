@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from posttrain.config import ConfigError, DataSource, DistillRecipe, dump_recipe
+from posttrain.config import ConfigError, DataSource, DistillRecipe
 from posttrain.data import Row, collate, episodes_to_sft, model_inputs, prepare_sft_data, write_records
 from posttrain.models import (
     check_same_tokenizer,
@@ -47,7 +47,7 @@ from posttrain.models import (
     save_model_dir,
 )
 from posttrain.tracking import Tracker, say
-from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
+from posttrain.train.checkpoint import find_checkpoint, open_run_dir, restore_training, save_training
 from posttrain.train.distill_losses import forward_kl, token_divergence
 from posttrain.train.forward import selected_logits
 from posttrain.train.losses import sft_loss_sum
@@ -98,9 +98,7 @@ def run_distill(
     if recipe.tasks.domains and sampler is None:
         raise ConfigError("tasks.domains: task prompts need an AnswerSampler (posttrain distill passes one; in a "
                           "library call pass sampler=posttrain.rl.EngineAnswerSampler(recipe.tasks))")
-    output_dir = Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    output_dir = open_run_dir(recipe, "distill", resume)
     runtime = setup_runtime(recipe.runtime)
 
     # Teacher and student, one tokenizer. A student without a path is built on the teacher's tokenizer.
@@ -116,7 +114,7 @@ def run_distill(
                              "the teacher's directory)")
     teacher = load_model(recipe.teacher, tokenizer, runtime.device).eval().requires_grad_(False)
     student = prepare_model(load_model(student_config, tokenizer, runtime.device), recipe.model, recipe.runtime)
-    checkpoint = find_checkpoint(output_dir, "distill") if resume else None
+    checkpoint = find_checkpoint(output_dir, "distill", resume)
     if checkpoint is not None:
         load_weights_from_checkpoint(student, checkpoint)
     vocab = len(tokenizer)  # both heads are compared over the tokenizer's ids (an embedding may be padded past them)

@@ -67,7 +67,7 @@ def run_dpo(
 ) -> DPOResult:
     if wants_vision(recipe.model):  # image prompts, a vision-language policy: train.dpo_vision
         return run_vision_dpo_recipe(recipe, resume=resume, on_step=on_step)
-    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe)
+    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe, "dpo", resume)
     model = load_model(recipe.model, tokenizer, runtime.device)
     model = prepare_model(model, recipe.model, recipe.runtime)
     disable_dropout(model)
@@ -86,7 +86,7 @@ def run_dpo(
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
 
-    checkpoint = find_checkpoint(output_dir, "dpo") if resume else None
+    checkpoint = find_checkpoint(output_dir, "dpo", resume)
     state = None
     if checkpoint is not None:
         state = restore_training(checkpoint, "dpo", model=model, optimizer=optimizer, scheduler=scheduler)

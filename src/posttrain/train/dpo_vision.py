@@ -104,7 +104,7 @@ def vision_reference_logprobs(model, pairs: Sequence[PairSequences], pad_id: int
 def run_vision_dpo_recipe(recipe: DPORecipe, *, resume: bool = False,
                           on_step: Callable[[int, dict[str, float]], None] | None = None) -> DPOResult:
     check_vision_dpo(recipe)
-    output_dir, runtime, data, model, processor = start_vision_run(recipe, read_vision_pair_data)
+    output_dir, runtime, data, model, processor = start_vision_run(recipe, read_vision_pair_data, "dpo", resume)
     disable_dropout(model)  # the policy's log-probs at step 0 must equal the reference's
     train = vision_pair_sequences(processor, data.train, recipe.data.max_length)
     heldout = vision_pair_sequences(processor, data.heldout, recipe.data.max_length)
@@ -129,7 +129,7 @@ def run_vision_dpo_recipe(recipe: DPORecipe, *, resume: bool = False,
         len(train) / recipe.train.batch_size)))
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
-    checkpoint = find_checkpoint(output_dir, "dpo") if resume else None
+    checkpoint = find_checkpoint(output_dir, "dpo", resume)
     state = None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)

@@ -1,6 +1,6 @@
 """What the pair recipes (DPO and the reward model) share: the run's pairs, their order, statistics, the loop.
 
-    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe)   # run dir, recipe.yaml, tokenized pairs
+    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe, "dpo", resume)   # run dir, recipe.yaml, pairs
     ...
     train_loss = train_on_pairs(stage, recipe, model, pairs.train, ..., batch_loss=..., evaluate=..., save=...)
 
@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config import dump_recipe
 from posttrain.data import (
     DataError,
     PreferenceData,
@@ -31,6 +30,7 @@ from posttrain.data import (
 )
 from posttrain.models import load_tokenizer
 from posttrain.tracking import say
+from posttrain.train.checkpoint import open_run_dir
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.preference_losses import sum_stats  # noqa: F401 (the reward model's, from here)
 from posttrain.train.step import Runtime, optimizer_step, setup_runtime
@@ -62,12 +62,10 @@ class DPOResult:
     data_report: dict[str, Any] = field(default_factory=dict)
 
 
-def start_pair_run(recipe) -> tuple[Path, Runtime, Any, PreparedPairs]:
+def start_pair_run(recipe, stage: str, resume: bool) -> tuple[Path, Runtime, Any, PreparedPairs]:
     """The run directory (with the resolved recipe), runtime, tokenizer and tokenized pairs of a DPO or reward
     model recipe. The built-in tokenizer (no model.path) is trained on the pairs' own text."""
-    output_dir = Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    output_dir = open_run_dir(recipe, stage, resume)
     runtime = setup_runtime(recipe.runtime)
     data = load_preference_data(recipe.data, rejects_dir=output_dir)
     corpus = pair_texts(data) if recipe.model.path is None and not recipe.model.tokenizer_path else None

@@ -51,7 +51,7 @@ class RMResult:
 def run_rm(
     recipe: RMRecipe, *, resume: bool = False, on_step: Callable[[int, dict[str, float]], None] | None = None
 ) -> RMResult:
-    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe)
+    output_dir, runtime, tokenizer, pairs = start_pair_run(recipe, "rm", resume)
     causal_lm = prepare_model(load_model(recipe.model, tokenizer, runtime.device), recipe.model, recipe.runtime)
     disable_dropout(causal_lm)
     check_forward_parity(causal_lm, pairs.train, runtime.autocast_dtype, layout="padded", what="rm")
@@ -64,7 +64,7 @@ def run_rm(
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
 
     # The checkpoint's HF directory holds the trunk (as a causal LM); the head travels in the training state.
-    checkpoint = find_checkpoint(output_dir, "rm") if resume else None
+    checkpoint = find_checkpoint(output_dir, "rm", resume)
     state = None
     if checkpoint is not None:
         state = restore_training(checkpoint, "rm", model=causal_lm, optimizer=optimizer, scheduler=scheduler)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config import SFTRecipe, dump_recipe
+from posttrain.config import SFTRecipe
 from posttrain.data import PreparedSFTData, collate, prepare_sft_data, read_all_texts
 from posttrain.models import (
     count_parameters,
@@ -35,7 +35,7 @@ from posttrain.models import (
 )
 from posttrain.tracking import Tracker, say
 from posttrain.train.context_parallel import check_context_parallel, context_parallel_sft_loss_sum, shard_batch
-from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
+from posttrain.train.checkpoint import find_checkpoint, open_run_dir, restore_training, save_training
 from posttrain.train.forward import check_forward_parity
 from posttrain.train.losses import sft_loss_sum
 from posttrain.train.memory import PeakMemory
@@ -67,11 +67,8 @@ def run_sft(
         if parallel.world_size > 1 or evaluate is not None:
             raise ValueError("run_sft: a vision-language policy trains in one process, without an evaluate callback")
         return run_vision_sft_recipe(recipe, resume=resume, on_step=on_step)
-    output_dir = Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     writer = parallel.rank == 0
-    if writer:
-        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    output_dir = open_run_dir(recipe, "sft", resume, write_recipe=writer)
     runtime = setup_runtime(recipe.runtime)
     if evaluate is not None and parallel.world_size > 1:
         raise ValueError("run_sft: an evaluate callback runs in one process; not with data parallelism")
@@ -91,7 +88,7 @@ def run_sft(
     if parallel.context_parallel:
         check_context_parallel(model, recipe.data.max_length)  # an attention it cannot split: say so now
     check_forward_parity(model, data.epoch_rows(0), runtime.autocast_dtype, layout="packed", what="sft")
-    checkpoint = find_checkpoint(output_dir, "sft") if resume else None
+    checkpoint = find_checkpoint(output_dir, "sft", resume)
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
     model = parallel.shard_model(model, recipe.cluster.data_parallel)

@@ -84,11 +84,11 @@ def vision_rows(processor: Any, samples: Sequence[VisionSample], max_length: int
 def run_vision_sft_recipe(recipe: SFTRecipe, *, resume: bool = False,
                           on_step: Callable[[int, dict[str, float]], None] | None = None) -> SFTResult:
     check_vision_sft(recipe)
-    output_dir, runtime, data, model, processor = start_vision_run(recipe, read_vision_sft_data)
+    output_dir, runtime, data, model, processor = start_vision_run(recipe, read_vision_sft_data, "sft", resume)
     rows = vision_rows(processor, data.train, recipe.data.max_length)
     heldout_rows = vision_rows(processor, data.heldout, recipe.data.max_length)
     pad_id = processor.tokenizer.pad_token_id
-    checkpoint = find_checkpoint(output_dir, "sft") if resume else None
+    checkpoint = find_checkpoint(output_dir, "sft", resume)
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)
 

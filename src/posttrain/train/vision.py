@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from posttrain.data import VisionSample
-from posttrain.config import OptimConfig, dump_recipe
+from posttrain.config import OptimConfig
 from posttrain.data import IGNORE_INDEX, vision_texts
 from posttrain.models import (VISION_TEXT_KEYS as TEXT_KEYS, collate_vision, load_tokenizer, load_vision_policy,
                               multimodal_token_types, vision_inputs)
+from posttrain.train.checkpoint import open_run_dir
 from posttrain.train.forward import target_logprobs
 from posttrain.train.optim import build_scheduler
 from posttrain.train.preference_losses import dpo_loss
@@ -232,13 +233,12 @@ def run_vision_dpo(model: torch.nn.Module, reference: torch.nn.Module, processor
     return result
 
 
-def start_vision_run(recipe: Any, read: Callable[..., Any]) -> tuple[Path, Runtime, Any, torch.nn.Module, Any]:
+def start_vision_run(recipe: Any, read: Callable[..., Any], stage: str,
+                     resume: bool) -> tuple[Path, Runtime, Any, torch.nn.Module, Any]:
     """What the `sft` and `dpo` recipes' image paths start with: the run directory (with the resolved recipe), the
     runtime, the data (`read(recipe.data, rejects_dir=...)`), and the policy with its processor. With `model.path`
     unset the policy is the built-in tiny VLM, its tokenizer trained on the data's text."""
-    output_dir = Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    output_dir = open_run_dir(recipe, stage, resume)
     runtime = setup_runtime(recipe.runtime)
     data = read(recipe.data, rejects_dir=output_dir)
     tokenizer = None
