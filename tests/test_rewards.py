@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -41,14 +44,15 @@ def not_a_number(completion, task):
     return "high"
 
 
-def hangs(completion, task):  # a judge that never answers
+def hangs(completion, task):  # a judge that does not answer within the tests' timeouts
+    import os
     import time
-    time.sleep(30)
+    time.sleep(float(os.environ.get("HANG_S", "3")))
     return 1.0
 
 
 async def hangs_async(completion, task):
-    await asyncio.sleep(30)
+    await asyncio.sleep(3)
     return 1.0
 '''
 
@@ -198,3 +202,24 @@ def test_the_function_timeout_is_the_recipe_default_and_only_a_function_term_tak
     recipe = RLRecipe(rewards=[{"verifier": "math"}, {"function": f"{rewards_file}:brevity", "timeout_s": 3}])
     again = RLRecipe.model_validate(recipe.model_dump(mode="json"))
     assert [t.timeout_s for t in again.rewards] == [FUNCTION_TIMEOUT_S, 3]
+
+
+def test_a_hung_reward_function_does_not_keep_the_process_from_exiting(rewards_file):
+    """A pool's threads are joined at the interpreter's exit: a judge that never answers kept a finished run's
+    process alive. Here the judge sleeps 120 s past its 0.5 s timeout; the process must end long before."""
+    script = f"""
+import asyncio
+from posttrain.config import RLRecipe
+from posttrain.rl import reward_terms
+from posttrain.types import Task
+from posttrain.verify.rewards import judge_terms, with_reward_terms
+task = Task(id="t", domain="math", messages=[{{"role": "user", "content": "6*7?"}}], verifier="math",
+            verifier_args={{"reference": "42"}})
+terms = reward_terms(RLRecipe(rewards=[{{"function": "{rewards_file}:hangs", "timeout_s": 0.5}}]))
+print(asyncio.run(judge_terms(with_reward_terms(task, terms), "42")).failure.value)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "HANG_S": "120"})
+    assert done.returncode == 0 and done.stdout.strip() == FailureClass.INFRA.value, done.stderr
+    assert time.monotonic() - started < 100

@@ -15,26 +15,28 @@ otherwise, dropping its partial credit). ``passed`` is the verifier terms' verdi
 function terms only, a positive score passes.
 
 A function that raises, returns something that is not a finite number, or does not return within its term's
-``timeout_s`` (default 120 s; an HTTP judge that never answers) makes the episode an infrastructure failure (``FailureClass.INFRA``, its traceback in ``details`` and in the log) - retried by the episode loop and
-masked out of training if it persists, never a reward of 0 the model would learn from. So does a verifier term's
+``timeout_s`` (default 120 s; an HTTP judge that never answers) makes the episode an infrastructure failure
+(``FailureClass.INFRA``, its traceback in ``details`` and in the log) - retried by the episode loop and masked out
+of training if it persists, never a reward of 0 the model would learn from. So does a verifier term's
 own infrastructure failure.
 
 The terms travel on the task (``task.metadata[REWARD_TERMS_KEY]``, plain dicts), so a Ray rollout worker judges
 exactly as the local process does; a function is imported where it runs (`posttrain.usercode.resolve_function`).
-A synchronous function runs on a thread pool of its own, so one that hangs holds up neither the event loop nor
-the blocking verifiers (which use asyncio's default pool); past its timeout its thread cannot be stopped and runs
-on in the background, named in the log.
+A synchronous function runs on a daemon thread of its own, so one that hangs holds up neither the event loop,
+nor the blocking verifiers (asyncio's default pool), nor the process's exit (a pool's threads are joined at exit:
+a judge that never answers kept a finished run from ending); past its timeout the thread cannot be stopped and
+runs on in the background, named in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import inspect
 import logging
 import math
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -48,8 +50,6 @@ log = logging.getLogger(__name__)
 # Task.metadata: [{"name", "weight", "function", "timeout_s"} | {"name", "weight", "verifier", "args"[, "binary"]}]
 REWARD_TERMS_KEY = "reward_terms"
 FUNCTION_TIMEOUT_S = 120.0  # a function term's default bound on one call
-# Synchronous reward functions: a pool of their own, so hung ones cannot starve asyncio's default pool
-_FUNCTION_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-reward-fn")
 _reported: set[tuple[str, str]] = set()  # (term, error) already logged with its traceback: once each per process
 
 
@@ -124,9 +124,31 @@ async def _call(function: Callable[..., Any], completion: str, task: Task) -> An
     if inspect.iscoroutinefunction(function):
         return await function(completion, task)
     # it may wait (an HTTP judge, a subprocess): keep the event loop serving other episodes
-    loop = asyncio.get_running_loop()
-    value = await loop.run_in_executor(_FUNCTION_POOL, functools.partial(function, completion, task))
+    value = await _on_daemon_thread(functools.partial(function, completion, task))
     return await value if inspect.isawaitable(value) else value
+
+
+async def _on_daemon_thread(call: Callable[[], Any]) -> Any:
+    """`call()` on a thread of its own that never holds up the interpreter's exit (see the module doc)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not done.done():  # a timeout cancelled the wait
+            done.set_exception(error) if error is not None else done.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = call(), None
+        except BaseException as failure:  # noqa: BLE001 - handed to the awaiting episode, which reports it
+            value, error = None, failure
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop is closed: nobody waits for the answer any more
+            pass
+
+    threading.Thread(target=run, name="posttrain-reward-fn", daemon=True).start()
+    return await done
 
 
 @functools.lru_cache(maxsize=None)
