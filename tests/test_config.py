@@ -68,7 +68,8 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     # YAML loaders keep the last of two equal keys silently: this recipe would have trained with batch_size 8
     # and the default epochs, the first `train:` section lost
-    path = write(tmp_path, "stage: sft\ntrain: {epochs: 3, batch_size: 4}\noptim: {lr: 1.0e-4}\ntrain: {batch_size: 8}\n")
+    path = write(tmp_path,
+                 "stage: sft\ntrain: {epochs: 3, batch_size: 4}\noptim: {lr: 1.0e-4}\ntrain: {batch_size: 8}\n")
     with pytest.raises(ConfigError, match=r"recipe.yaml:4: 'train' is given twice \(first on line 2\)"):
         load_recipe(path)
     nested = write(tmp_path, "stage: sft\noptim:\n  lr: 1.0e-4\n  warmup_steps: 2\n  lr: 3.0e-4\n")

@@ -179,7 +179,8 @@ def test_a_byte_order_mark_as_windows_tools_write_it_is_not_part_of_the_first_re
     assert read_samples(DataSource(path=str(csv_path)))[0].messages == CHAT
     # only at the start of the file: further down it is a character of that line's text
     later = tmp_path / "later.jsonl"
-    later.write_bytes(json.dumps({"messages": CHAT}).encode() + b"\n\xef\xbb\xbf" + json.dumps({"messages": CHAT}).encode())
+    line = json.dumps({"messages": CHAT}).encode()
+    later.write_bytes(line + b"\n\xef\xbb\xbf" + line)
     with pytest.raises(DataError, match=rf"{later}:2: malformed JSON"):
         read_samples(DataSource(path=str(later)))
 

@@ -30,7 +30,8 @@ def call(name: str, arguments: dict) -> str:
 NESTED = 5000
 TURNS = {
     "calculator": [
-        '<tool_call>{"name": "calculator", "arguments": ' + '{"a": ' * NESTED + "1" + "}" * (NESTED + 1) + "</tool_call>",
+        '<tool_call>{"name": "calculator", "arguments": ' + '{"a": ' * NESTED + "1" + "}" * (NESTED + 1)
+        + "</tool_call>",
         "<tool_call>" + "[" * NESTED + "</tool_call>",
         '<tool_call>{"name": "calculator", "arguments": "' + "[" * NESTED + '"}</tool_call>',
     ],

@@ -10,7 +10,8 @@ from posttrain.tracking import say
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (its final/ or newest checkpoint), a checkpoint, a LoRA "
                                         "adapter or a model directory")
-    parser.add_argument("dest", help="the directory to write (an earlier model directory there is replaced; a directory holding anything else is refused)")
+    parser.add_argument("dest", help="the directory to write (an earlier model directory there is replaced; "
+                                     "a directory holding anything else is refused)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="cast the weights (default: keep the saved dtype)")
 

@@ -158,9 +158,9 @@ def validate_vision_record(record: Any, *, base_dir: str | Path | None = None, d
     if column and len(column) > 0:
         raise RecordError("images", f"{len(column)} image(s) of the column are not referred to by an "
                           "{type: image} part")
-    if require_assistant and not any(m["role"] == "assistant" for m in clean):
-        raise RecordError("messages", "no assistant turn (nothing to train on)")
     if require_assistant:
+        if not any(m["role"] == "assistant" for m in clean):
+            raise RecordError("messages", "no assistant turn (nothing to train on)")
         require_prompt_first(clean)
     meta = record.get("metadata", {}) or {}
     if not isinstance(meta, dict):

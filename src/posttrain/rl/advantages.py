@@ -197,10 +197,8 @@ def reward_terms(recipe: RLRecipe) -> list[dict[str, Any]]:
     terms = []
     for term in recipe.rewards:
         entry: dict[str, Any] = {"name": term.label, "weight": term.weight}
-        entry.update({"function": term.function} if term.function else {"verifier": term.verifier,
-                                                                        "args": term.args})
-        if term.function:
-            entry["timeout_s"] = term.timeout_s
+        entry.update({"function": term.function, "timeout_s": term.timeout_s} if term.function
+                     else {"verifier": term.verifier, "args": term.args})
         if term.binary:
             entry["binary"] = True
         terms.append(entry)

@@ -239,7 +239,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
     policy, engine = run.policy, run.engine
 
     cursor, pending = _Cursor(), []
-    checkpoint = find_checkpoint(output_dir, "rl", resume)
+    checkpoint = find_checkpoint(output_dir, "rl") if resume else None
     if checkpoint is not None:
         cursor, pending = _restore(run, checkpoint)
     engine.update_weights(policy.weights(), cursor.step)

@@ -85,13 +85,8 @@ def write_checkpoint(
                            extra=write_extra)
 
 
-def find_checkpoint(output_dir: Path, stage: str, resume: bool = True) -> Path | None:
-    """With `resume`, the newest complete checkpoint of the run to resume, or None (said, and the run starts
-    fresh). Without, None, after checking that `output_dir` holds no earlier run: a fresh run there would replace
-    its final model and, checkpoint by checkpoint, its checkpoints (a forgotten --resume must not cost a run)."""
-    if not resume:
-        _require_no_earlier_run(Path(output_dir), stage)
-        return None
+def find_checkpoint(output_dir: Path, stage: str) -> Path | None:
+    """The newest complete checkpoint of the run to resume, or None (said, and the run starts fresh)."""
     checkpoint = latest_checkpoint(output_dir)
     if checkpoint is None:
         say(f"[{stage}] --resume: no checkpoint in {output_dir}, starting fresh")

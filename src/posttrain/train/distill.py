@@ -114,7 +114,7 @@ def run_distill(
                              "the teacher's directory)")
     teacher = load_model(recipe.teacher, tokenizer, runtime.device).eval().requires_grad_(False)
     student = prepare_model(load_model(student_config, tokenizer, runtime.device), recipe.model, recipe.runtime)
-    checkpoint = find_checkpoint(output_dir, "distill", resume)
+    checkpoint = find_checkpoint(output_dir, "distill") if resume else None
     if checkpoint is not None:
         load_weights_from_checkpoint(student, checkpoint)
     vocab = len(tokenizer)  # both heads are compared over the tokenizer's ids (an embedding may be padded past them)

@@ -86,7 +86,7 @@ def run_dpo(
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
 
-    checkpoint = find_checkpoint(output_dir, "dpo", resume)
+    checkpoint = find_checkpoint(output_dir, "dpo") if resume else None
     state = None
     if checkpoint is not None:
         state = restore_training(checkpoint, "dpo", model=model, optimizer=optimizer, scheduler=scheduler)

@@ -129,7 +129,7 @@ def run_vision_dpo_recipe(recipe: DPORecipe, *, resume: bool = False,
         len(train) / recipe.train.batch_size)))
     optimizer = build_optimizer(model, recipe.optim)
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
-    checkpoint = find_checkpoint(output_dir, "dpo", resume)
+    checkpoint = find_checkpoint(output_dir, "dpo") if resume else None
     state = None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)

@@ -64,7 +64,7 @@ def run_rm(
     scheduler = build_scheduler(optimizer, recipe.optim, total_steps)
 
     # The checkpoint's HF directory holds the trunk (as a causal LM); the head travels in the training state.
-    checkpoint = find_checkpoint(output_dir, "rm", resume)
+    checkpoint = find_checkpoint(output_dir, "rm") if resume else None
     state = None
     if checkpoint is not None:
         state = restore_training(checkpoint, "rm", model=causal_lm, optimizer=optimizer, scheduler=scheduler)

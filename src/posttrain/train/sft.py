@@ -88,7 +88,7 @@ def run_sft(
     if parallel.context_parallel:
         check_context_parallel(model, recipe.data.max_length)  # an attention it cannot split: say so now
     check_forward_parity(model, data.epoch_rows(0), runtime.autocast_dtype, layout="packed", what="sft")
-    checkpoint = find_checkpoint(output_dir, "sft", resume)
+    checkpoint = find_checkpoint(output_dir, "sft") if resume else None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)  # before sharding: the checkpoint holds whole tensors
     model = parallel.shard_model(model, recipe.cluster.data_parallel)

@@ -88,7 +88,7 @@ def run_vision_sft_recipe(recipe: SFTRecipe, *, resume: bool = False,
     rows = vision_rows(processor, data.train, recipe.data.max_length)
     heldout_rows = vision_rows(processor, data.heldout, recipe.data.max_length)
     pad_id = processor.tokenizer.pad_token_id
-    checkpoint = find_checkpoint(output_dir, "sft", resume)
+    checkpoint = find_checkpoint(output_dir, "sft") if resume else None
     if checkpoint is not None:
         load_weights_from_checkpoint(model, checkpoint)
 
