@@ -21,6 +21,7 @@ import pytest
 
 from posttrain.rollout.continuous import ContinuousBatcher, StreamRequest
 from posttrain.serve import HFBackend, free_port, make_backend, start_server
+from posttrain.serve.protocol import MAX_SEQUENCES_PER_REQUEST
 from posttrain.types import GenerationRequest, SamplingParams
 from serve_support import ANSWER, CALCULATOR, QUESTION, train_tool_model
 
@@ -289,6 +290,14 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client):
     assert code == 400 and "arguments are not JSON" in payload["error"]["message"], payload
     code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": [[99999]]})
     assert code == 400 and "token ids" in payload["error"]["message"]
+    # a request's sequences are bounded (prompts x n): 100,000 prompts were all tokenized and queued at once
+    code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": ["hi"] * 100_000})
+    assert code == 400 and "100000 prompts x n=1 ask for 100000 sequences" in payload["error"]["message"], payload
+    code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": ["hi"] * 5, "n": 64})
+    assert code == 400 and f"at most {MAX_SEQUENCES_PER_REQUEST} per request" in payload["error"]["message"]
+    code, payload = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": ["hi"] * 4, "n": 64,
+                                                           "max_tokens": 1})
+    assert code == 200 and len(payload["choices"]) == MAX_SEQUENCES_PER_REQUEST, payload
     # a JSON escape of a lone surrogate is text no tokenizer can encode (it was a 500 from the tokenizer)
     for path, body in [("/v1/chat/completions", b'{"model": "tiny-tools", "messages": [{"role": "user", '
                                                  b'"content": "hi \\ud800"}]}'),

@@ -161,6 +161,11 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+# One /v1/completions request's sequences (prompts x n): a list of 100,000 prompts was taken whole, each
+# tokenized and queued at once, with no bound but the server's memory
+MAX_SEQUENCES_PER_REQUEST = 256
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -179,6 +184,10 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of is not supported by this server (leave it unset)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is empty")
+        sequences = len(self.prompts()) * self.n
+        if sequences > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} ask for {sequences} sequences; at most "
+                             f"{MAX_SEQUENCES_PER_REQUEST} per request: send the prompts in several requests")
         return self
 
     def prompts(self) -> list[str | list[int]]:
