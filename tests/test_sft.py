@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,29 @@ def test_a_fresh_run_where_an_earlier_one_is_refuses_before_writing_anything(tmp
         moved.rename(first.output_dir / what)
     assert run_sft(again, resume=True).steps == 4  # --resume continues it (here: already finished)
     assert run_sft(again.model_copy(update={"output_dir": str(tmp_path / "new")})).steps == 4
+
+
+def test_a_fresh_run_moves_aside_the_metrics_of_an_earlier_run_that_saved_no_checkpoint(tmp_path, data_file):
+    """A run that died before its first checkpoint leaves metrics.jsonl: a fresh run appended to it, and the curves
+    showed the dead run's steps past the new run's last. They move whole to earlier-<n>/; nothing is deleted."""
+    recipe = load_recipe(write_recipe(tmp_path, data_file, train={"max_steps": 6, "save_every": 100},
+                                      tracking={"tensorboard": True}), schema=SFTRecipe)
+    first = run_sft(recipe)
+
+    def die_before_a_checkpoint():  # as if the run had died at its last step, before saving
+        for saved in ("final", "checkpoints"):
+            shutil.rmtree(first.output_dir / saved, ignore_errors=True)
+
+    die_before_a_checkpoint()
+    dead = (first.output_dir / "metrics.jsonl").read_bytes()
+    short = recipe.model_copy(update={"train": recipe.train.model_copy(update={"max_steps": 3})})
+    assert run_sft(short).steps == 3
+    assert sorted(step_losses(first.output_dir)) == [1, 2, 3]  # not the dead run's steps 4-6
+    assert (first.output_dir / "earlier-1" / "metrics.jsonl").read_bytes() == dead
+    assert any((first.output_dir / "earlier-1" / "tensorboard").iterdir())
+    die_before_a_checkpoint()
+    run_sft(short)
+    assert sorted(p.name for p in first.output_dir.glob("earlier-*")) == ["earlier-1", "earlier-2"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from posttrain.demo.base import SFT_FILE, heldout_file
 from posttrain.demo.evaluation import EPISODE_CACHE, TIMEOUT_SCALE
 from posttrain.demo.pipeline import REPORT_FILE, RESULTS_FILE, DemoRun, demo_stage
 from posttrain.demo.summary import report_tables
-from posttrain.tracking import say
+from posttrain.tracking import METRICS_FILE, say
 from posttrain.types import Task
 
 SAFETY = "safety"
@@ -51,7 +51,8 @@ def report_recipe(run: DemoRun, stages: list[str]) -> EvalRecipe:
     episodes = [str(root / stage) for stage in stages if (root / stage / "episodes.jsonl").is_file()]
     pairs = sorted({str(p) for pattern in PREFERENCE_PATTERNS for p in run.data_dir.glob(pattern)})
     sft = [{"path": str(run.data_dir / SFT_FILE)}] if (run.data_dir / SFT_FILE).is_file() else []
-    curves = [{"path": str(root / stage), "label": stage} for stage in stages if (root / stage / "metrics.jsonl").is_file()]
+    curves = [{"path": str(root / stage), "label": stage} for stage in stages
+              if (root / stage / METRICS_FILE).is_file()]
     tiers = tier_models(run, stages)
     in_tiers = {tier["label"] for tier in tiers}
     return EvalRecipe.model_validate({

@@ -14,10 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from posttrain.tracking import read_metrics
+from posttrain.tracking import METRICS_FILE, read_metrics
 
 MAX_POINTS = 300
-METRICS_FILE = "metrics.jsonl"
 
 # (panel title, test on the metric name, values are fractions in [0, 1])
 PANELS: list[tuple[str, Any, bool]] = [

@@ -89,7 +89,7 @@ from posttrain.rl.update import PolicyTrainer
 from posttrain.rl.vision import ProcessorRenderer, load_vision_policy, wants_vision
 from posttrain.schedule import ALARM_KINDS, Scheduler, TaskSampler
 from posttrain.tasks import TaskError, get_domain, sample_tasks
-from posttrain.tracking import Tracker, read_metrics, say
+from posttrain.tracking import METRICS_FILE, Tracker, read_metrics, say
 from posttrain.train import (
     Runtime,
     find_checkpoint,
@@ -377,7 +377,7 @@ def _logged_before(output_dir: Path, step: int) -> tuple[list[dict[str, float]],
     result -- the demo's compute count, its judging share, the guard's evaluations since the baseline -- covers the
     whole run. An evaluation's record is the one with `time/eval_s` (a step's, or the baseline's at step 0); the
     final evaluation is logged without it and comes after the last checkpoint."""
-    records = [{k: v for k, v in record.items() if k != "time"} for record in read_metrics(output_dir / "metrics.jsonl")
+    records = [{k: v for k, v in record.items() if k != "time"} for record in read_metrics(output_dir / METRICS_FILE)
                if 0 <= record.get("step", 0) <= step]
     steps = [record for record in records if "time/step_s" in record and record["step"] > 0]
     evaluations = [{"step": record["step"], "seconds": record["time/eval_s"],

@@ -9,9 +9,11 @@ from posttrain.tracking.sinks import (
     WandbSink,
     read_metrics,
 )
-from posttrain.tracking.tracker import Tracker, console, say
+from posttrain.tracking.tracker import METRICS_FILE, TENSORBOARD_DIR, Tracker, console, say
 
 __all__ = [
+    "METRICS_FILE",
+    "TENSORBOARD_DIR",
     "JSONLSink",
     "MLflowSink",
     "MetricsSink",

@@ -18,6 +18,8 @@ from posttrain.config import TrackingConfig
 from posttrain.tracking.sinks import JSONLSink, MetricsSink, MLflowSink, TensorBoardSink, WandbSink
 
 console = Console(stderr=True)
+METRICS_FILE = "metrics.jsonl"  # in the run's output_dir, always written
+TENSORBOARD_DIR = "tensorboard"  # beside it, with tracking.tensorboard
 
 
 class Tracker:
@@ -31,9 +33,9 @@ class Tracker:
     ):
         self.output_dir = Path(output_dir)
         self.stage = stage
-        self.sinks: list[MetricsSink] = [JSONLSink(self.output_dir / "metrics.jsonl")]
+        self.sinks: list[MetricsSink] = [JSONLSink(self.output_dir / METRICS_FILE)]
         if config.tensorboard:
-            self.sinks.append(TensorBoardSink(self.output_dir / "tensorboard"))
+            self.sinks.append(TensorBoardSink(self.output_dir / TENSORBOARD_DIR))
         if config.wandb:
             self.sinks.append(WandbSink(config.project, config.run_name, recipe or {}))
         if config.mlflow:

@@ -30,7 +30,7 @@ import torch
 from posttrain.config import dump_recipe
 from posttrain.models import latest_checkpoint, load_training_state, load_weights_from_checkpoint, restore_rng
 from posttrain.models import save_checkpoint
-from posttrain.tracking import say
+from posttrain.tracking import METRICS_FILE, TENSORBOARD_DIR, say
 from posttrain.types import PosttrainError
 from posttrain.train.parallel import LOCAL, DataParallel
 
@@ -96,12 +96,14 @@ def find_checkpoint(output_dir: Path, stage: str) -> Path | None:
 def open_run_dir(recipe: Any, stage: str, resume: bool, *, write_recipe: bool = True) -> Path:
     """The recipe's `output_dir`, made, with the resolved recipe saved in it (`write_recipe`: False on ranks that
     do not write). A fresh run (not `resume`) is refused, before anything is written, where an earlier run's model
-    or checkpoints are."""
+    or checkpoints are; the metrics of an earlier run that ended before its first checkpoint are moved aside."""
     output_dir = Path(recipe.output_dir)
     if not resume:
         _require_no_earlier_run(output_dir, stage)
     output_dir.mkdir(parents=True, exist_ok=True)
     if write_recipe:
+        if not resume:
+            _set_aside_earlier_metrics(output_dir, stage)
         (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     return output_dir
 
@@ -119,6 +121,23 @@ def _require_no_earlier_run(output_dir: Path, stage: str) -> None:
     raise EarlierRunError(f"{stage}: {output_dir} holds an earlier run ({held}); a fresh run there would replace "
                           "it, so nothing was started: --resume continues it, or set output_dir to a new "
                           "directory (or remove this one)")
+
+
+def _set_aside_earlier_metrics(output_dir: Path, stage: str) -> None:
+    """A run that died before its first checkpoint leaves its metrics: a fresh run appended to them, and its
+    curves showed the dead run's steps past the new run's last (read_metrics keeps the last record per step).
+    They move, whole, to the first free `earlier-<n>/` in `output_dir`; nothing is deleted."""
+    held = [output_dir / name for name in (METRICS_FILE, TENSORBOARD_DIR) if (output_dir / name).exists()]
+    if not held:
+        return
+    number = 1
+    while (output_dir / f"earlier-{number}").exists():
+        number += 1
+    aside = output_dir / f"earlier-{number}"
+    aside.mkdir()
+    for path in held:
+        path.rename(aside / path.name)
+    say(f"[{stage}] {output_dir} held the metrics of an earlier run that saved no checkpoint: moved to {aside}")
 
 
 def restore_training(
