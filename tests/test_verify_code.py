@@ -3,6 +3,7 @@ the sandbox, infra failures that are not scores, and agentic final states."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 
@@ -299,3 +300,57 @@ def test_limits_can_come_from_a_task_spec():
 def test_malformed_test_specs_are_verify_errors(tests, message):
     with pytest.raises(VerifyError, match=message):
         parse_tests(tests)
+
+
+def test_identical_judgements_run_one_jail_and_each_caller_gets_its_own_verdict():
+    """An RL group's samples are often one program written several times (three judgements in four, in the
+    demo's RL): it is judged once, its callers waiting on that one jail; anything that changes the verdict
+    (the program, the limits, the sandbox) is judged anew, and `reuse: false` judges every call."""
+    right, wrong = fenced("def add(a, b):\n    return a + b"), fenced("def add(a, b):\n    return a * b")
+    with SandboxPool(2) as pool:
+        box = Sandbox(pool=pool)
+        seen = []
+        recording = _recording(box, seen)
+        assert verify_code(right, ADD, sandbox=recording).passed  # the pool's self-test, then this program
+        before = len(seen)
+        with concurrent.futures.ThreadPoolExecutor(8) as threads:
+            rewards = list(threads.map(lambda answer: verify_code(answer, ADD, sandbox=recording), [right, wrong] * 8))
+        assert len(seen) == before + 1, "one jail for the 8 callers of the new program, none for the known one"
+        assert [r.score for r in rewards] == [1.0, 0.25] * 8
+        assert [r.details["cases"] for r in rewards[1::2]] == [["wrong output", "pass", "wrong output",
+                                                                "wrong output"]] * 8
+        assert sum(not r.details.get("reused") for r in rewards) == 1
+        rewards[1].details["mine"] = True  # a caller adds to its details: another's are not touched
+        assert all("mine" not in r.details for r in rewards[3::2])
+        for again in (dict(reuse=False), dict(timeout_s=3.0), dict(limits=Limits(timeout_s=30, memory_mb=256)),
+                      dict(final_state={"files": {"notes.txt": "x"}})):
+            count = len(seen)
+            assert verify_code(wrong, ADD, sandbox=recording, **again).score == 0.25
+            assert len(seen) == count + 1, again
+        own = verify_code(wrong, ADD, sandbox=box)  # another sandbox class on the same pool: its own judgement
+        assert own.score == 0.25 and not own.details.get("reused")
+        assert verify_code(wrong, ADD, sandbox=box).details["reused"] is True
+
+
+def test_an_infrastructure_failure_is_never_reused():
+    with SandboxPool(1) as pool:
+        box = Sandbox(pool=pool)
+
+        class Flaky:  # the jail fails to start once, then works
+            jail, pool = box.jail, box.pool
+            failures = 1
+            runs = 0
+
+            def run(self, cmd, **options):
+                Flaky.runs += 1
+                if Flaky.failures and cmd[-2].startswith("_harness") and Flaky.runs > 2:  # after the self-test
+                    Flaky.failures -= 1
+                    return RunResult(status=RunStatus.INFRA_ERROR, error="jail could not start")
+                return box.run(cmd, **options)
+
+        answer = fenced("def add(a, b):\n    return a - b + 2 * b")
+        first = verify_code(answer, ADD, sandbox=Flaky(), infra_retries=0)
+        assert first.is_infrastructure_failure
+        second = verify_code(answer, ADD, sandbox=Flaky(), infra_retries=0)
+        assert second.passed and not second.details.get("reused")
+        assert verify_code(answer, ADD, sandbox=Flaky(), infra_retries=0).details["reused"] is True

@@ -30,8 +30,9 @@ import json
 import math
 import os
 import secrets
+import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from posttrain.sandbox import Limits, RunResult, Sandbox, SandboxError, check_file_name, file_conflicts
@@ -40,6 +41,7 @@ from posttrain.verify import _harness
 from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import code_block, strip_reasoning
 from posttrain.verify.errors import VerifyError
+from posttrain.verify.memo import JudgementMemo, judgement_key
 from posttrain.verify.registry import verifier
 
 _HARNESS_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")).read()
@@ -309,9 +311,11 @@ def _judged_right(record: dict[str, Any] | None) -> bool:
 def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_timeout_s: float = AFTER_TIMEOUT_S,
                 float_tolerance: float = 1e-9, solution_file: str | None = None,
                 limits: Limits | dict[str, Any] | None = None, sandbox: Sandbox | None = None,
-                infra_retries: int = 2, final_state: dict[str, Any] | None = None) -> Reward:
+                infra_retries: int = 2, final_state: dict[str, Any] | None = None, reuse: bool = True) -> Reward:
     """Run `tests` (any of the three shapes) against the program in `completion`; see the module doc.
-    `timeout_s` bounds each case; after a first timeout the remaining cases share `after_timeout_s`."""
+    `timeout_s` bounds each case; after a first timeout the remaining cases share `after_timeout_s`. With
+    `reuse`, a judgement identical to one running or made already in this sandbox pool is not run again
+    (`posttrain.verify.memo`)."""
     _check_times(timeout_s, after_timeout_s)
     spec = parse_tests(tests)
     scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
@@ -332,6 +336,38 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
         return Reward(0.0, False, FailureClass.WRONG_ANSWER,
                       details={"reason": "workspace_too_large", "bytes": size, "workdir_mb": run_limits.workdir_mb,
                                **scheme})
+    args = (box, spec, source, timeout_s, files, dropped, run_limits, infra_retries, after_timeout_s, float_tolerance)
+    memo = _memo(box) if reuse else None
+    if memo is None:
+        return _score(*args)
+    # the sandbox's class too: a wrapper around the same pool may run the jail its own way
+    key = judgement_key(asdict(spec), source, sorted(files.items()), dropped, repr(run_limits), repr(box.jail),
+                        f"{type(box).__module__}.{type(box).__qualname__}", timeout_s, after_timeout_s,
+                        float_tolerance)
+    return memo.judge(key, lambda: _score(*args))
+
+
+# Each sandbox pool's verdicts (`posttrain.verify.memo`): another pool may run another jail, so none is shared.
+_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_memos_lock = threading.Lock()
+
+
+def _memo(box: Any) -> JudgementMemo | None:
+    """The memo of `box`'s pool; None for a sandbox without one (nothing to tell its jails apart by)."""
+    pool = getattr(box, "pool", None)
+    if pool is None:
+        return None
+    with _memos_lock:
+        try:
+            return _memos.setdefault(pool, JudgementMemo())
+        except TypeError:  # a pool that cannot be weakly referenced: judged every time
+            return None
+
+
+def _score(box: Any, spec: TestSpec, source: bytes, timeout_s: float, files: dict[str, bytes], dropped: list[str],
+           run_limits: Limits, infra_retries: int, after_timeout_s: float, float_tolerance: float) -> Reward:
+    """One judgement in the jail, scored; the scheme's figures and the run's in details."""
+    scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
     result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries, after_timeout_s)
     run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3),
            **({"dropped_files": dropped} if dropped else {})}
