@@ -4,13 +4,16 @@ accepts it) against the harness shipped as source, side by side in one run (alte
     .venv/bin/python bench/code_judging.py [--repeats 5] [--items 80] [--threads 4]
 
 Each round judges the same level-1 `code` demonstrations (all pass: the harness runs every case) from
-`--threads` threads over the default sandbox pool (a slot per CPU), as RL's judging does. Prints one JSON line:
+`--threads` threads over the default sandbox pool (a slot per CPU), as RL's judging does, with `reuse: false`:
+every round runs its jails (the verifier would otherwise hand each round after the first its verdicts from
+`posttrain.verify.memo` and the bench would time a cache). Prints one JSON line:
 per-second medians of both, "ratio" = bytecode / source, and the 1-minute load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,7 +33,8 @@ def main() -> None:
     from posttrain.verify import code_tests, verify
 
     domain = get_domain("code")
-    tasks = sample_tasks(domain, args.items, level=[1], split="train", seed=3)
+    tasks = [dataclasses.replace(task, verifier_args={**task.verifier_args, "reuse": False})
+             for task in sample_tasks(domain, args.items, level=[1], split="train", seed=3)]
     answers = [domain.demonstration(task).messages[-1]["content"] for task in tasks]
     verify(tasks[0], answers[0], {"answer": answers[0]})  # start the pool; its self-test decides on bytecode
     pool = Sandbox().pool
