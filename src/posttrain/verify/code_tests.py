@@ -318,7 +318,7 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
     (`posttrain.verify.memo`)."""
     _check_times(timeout_s, after_timeout_s)
     spec = parse_tests(tests)
-    scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
+    scheme = _scheme(spec)
     source = _source(completion, final_state, solution_file)
     if source is None:
         return Reward(0.0, False, FailureClass.FORMAT, details={"reason": "no_code", **scheme})
@@ -359,15 +359,22 @@ def _memo(box: Any) -> JudgementMemo | None:
         return None
     with _memos_lock:
         try:
-            return _memos.setdefault(pool, JudgementMemo())
+            memo = _memos.get(pool)
+            if memo is None:
+                memo = _memos[pool] = JudgementMemo()
         except TypeError:  # a pool that cannot be weakly referenced: judged every time
             return None
+    return memo
+
+
+def _scheme(spec: TestSpec) -> dict[str, Any]:
+    return {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
 
 
 def _score(box: Any, spec: TestSpec, source: bytes, timeout_s: float, files: dict[str, bytes], dropped: list[str],
            run_limits: Limits, infra_retries: int, after_timeout_s: float, float_tolerance: float) -> Reward:
     """One judgement in the jail, scored; the scheme's figures and the run's in details."""
-    scheme = {"scheme": spec.mode, "weaker_scheme": spec.mode == "assert", "total": spec.total}
+    scheme = _scheme(spec)
     result, record, retries = _judge(box, spec, source, timeout_s, files, run_limits, infra_retries, after_timeout_s)
     run = {"status": str(result.status), "infra_retries": retries, "duration_s": round(result.duration_s, 3),
            **({"dropped_files": dropped} if dropped else {})}
