@@ -34,7 +34,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "data": ("the data flywheel: `data pairs` / `data sft` from verified episodes (a run's episodes.jsonl)",
              "posttrain.cli.stages:data"),
     "demo": ("the whole pipeline on the built-in tiny model (CPU: ~33 minutes on 2 cores with bf16, ~62 in "
-             "fp32; --quick ~20)",
+             "fp32, estimated; --quick ~20)",
              "posttrain.cli.demo:main"),
     "validate": ("check a recipe without training: schema, model and tokenizer, data counts, one rendered "
                  "sample with its loss mask, estimated steps and tokens", "posttrain.cli.validate:main"),

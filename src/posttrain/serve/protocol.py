@@ -184,9 +184,9 @@ class CompletionRequest(_Sampling):
             raise ValueError("best_of is not supported by this server (leave it unset)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is empty")
-        sequences = len(self.prompts()) * self.n
-        if sequences > MAX_SEQUENCES_PER_REQUEST:
-            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} ask for {sequences} sequences; at most "
+        prompts = len(self.prompts())
+        if prompts * self.n > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(f"{prompts} prompts x n={self.n} ask for {prompts * self.n} sequences; at most "
                              f"{MAX_SEQUENCES_PER_REQUEST} per request: send the prompts in several requests")
         return self
 

@@ -45,34 +45,24 @@ class JudgementMemo:
         self._kept: collections.OrderedDict[str, Reward] = collections.OrderedDict()
         self._running: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
-        self.judged = 0  # judgements run
-        self.reused = 0  # verdicts handed on without a judgement
 
     def judge(self, key: str, judge: Callable[[], Reward]) -> Reward:
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
                 self._kept.move_to_end(key)
-                self.reused += 1
                 return _copy(kept, reused=True)
-            running = self._running.get(key)
-            if running is None:
+            waiting = self._running.get(key)
+            if waiting is None:
                 running = self._running[key] = concurrent.futures.Future()
-                mine = True
-            else:
-                mine = False
-        if not mine:
+        if waiting is not None:
             try:
-                verdict = running.result()
+                verdict = waiting.result()
             except BaseException:  # noqa: BLE001 - that caller's own error; this one judges for itself
-                verdict = None
-            if verdict is not None and not verdict.is_infrastructure_failure:
-                with self._lock:
-                    self.reused += 1
-                return _copy(verdict, reused=True)
-            return self._run(judge)
+                return judge()
+            return judge() if verdict.is_infrastructure_failure else _copy(verdict, reused=True)
         try:
-            verdict = self._run(judge)
+            verdict = judge()
         except BaseException as error:
             with self._lock:
                 del self._running[key]
@@ -86,11 +76,6 @@ class JudgementMemo:
                     self._kept.popitem(last=False)
         running.set_result(verdict)
         return _copy(verdict, reused=False)
-
-    def _run(self, judge: Callable[[], Reward]) -> Reward:
-        with self._lock:
-            self.judged += 1
-        return judge()
 
 
 def _copy(verdict: Reward, *, reused: bool) -> Reward:
