@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.config import OptimConfig
+from posttrain.config import OptimConfig, RLRecipe
 from posttrain.models import build_tiny_model
-from posttrain.train.checkpoint import find_checkpoint, restore_training, save_training
+from posttrain.train.checkpoint import find_checkpoint, open_run_dir, restore_training, save_training
 from posttrain.train.loop import Cursor, StepFigures, train_loop
 from posttrain.train.optim import build_optimizer, build_scheduler
 from posttrain.train.parallel import LOCAL, DataParallel, LocalParallel
@@ -175,3 +175,19 @@ def test_local_parallel_is_the_identity_and_satisfies_the_protocol():
     assert parallel.shard_model(model) is model and parallel.full_model(model) is model
     protocol = {name for name in vars(DataParallel) if not name.startswith("_")}
     assert protocol <= set(dir(LocalParallel))
+
+
+def test_a_fresh_rl_run_moves_aside_the_episodes_and_events_of_an_earlier_run_with_no_checkpoint(tmp_path):
+    """RL appends to episodes.jsonl and schedule_events.jsonl as to metrics.jsonl: a fresh run after one that died
+    before its first checkpoint mixed both runs' episodes. The stage's logs move aside with the metrics."""
+    from posttrain.rl.trainer import EPISODES_FILE, EVENTS_FILE
+
+    run = tmp_path / "rl"
+    run.mkdir()
+    for name in ("metrics.jsonl", EPISODES_FILE, EVENTS_FILE):
+        (run / name).write_text(f'{{"dead run": "{name}"}}\n')
+    (run / "notes.txt").write_text("mine")  # not a log of the stage: stays
+    open_run_dir(RLRecipe(output_dir=str(run)), "rl", resume=False, logs=(EPISODES_FILE, EVENTS_FILE))
+    for name in ("metrics.jsonl", EPISODES_FILE, EVENTS_FILE):
+        assert not (run / name).exists() and name in (run / "earlier-1" / name).read_text()
+    assert (run / "notes.txt").read_text() == "mine" and (run / "recipe.yaml").is_file()

@@ -187,7 +187,7 @@ def run_rl_on(
 ) -> RLResult:
     """`run_rl` on the given backend (`local_backend`, or one of `posttrain.distributed`)."""
     import_all(recipe.imports)  # a recipe built in code (load_recipe imports them too; a second import is a no-op)
-    output_dir = open_run_dir(recipe, "rl", resume)
+    output_dir = open_run_dir(recipe, "rl", resume, logs=(EPISODES_FILE, EVENTS_FILE))
     runtime = setup_runtime(recipe.runtime)
     vision = wants_vision(recipe.model)
     if vision and recipe.runtime.compile == "auto":  # the decoder compile is for text models

@@ -93,17 +93,19 @@ def find_checkpoint(output_dir: Path, stage: str) -> Path | None:
     return checkpoint
 
 
-def open_run_dir(recipe: Any, stage: str, resume: bool, *, write_recipe: bool = True) -> Path:
+def open_run_dir(recipe: Any, stage: str, resume: bool, *, write_recipe: bool = True,
+                 logs: tuple[str, ...] = ()) -> Path:
     """The recipe's `output_dir`, made, with the resolved recipe saved in it (`write_recipe`: False on ranks that
     do not write). A fresh run (not `resume`) is refused, before anything is written, where an earlier run's model
-    or checkpoints are; the metrics of an earlier run that ended before its first checkpoint are moved aside."""
+    or checkpoints are; the metrics (and the stage's own append-only `logs`) of an earlier run that ended before
+    its first checkpoint are moved aside."""
     output_dir = Path(recipe.output_dir)
     if not resume:
         _require_no_earlier_run(output_dir, stage)
     output_dir.mkdir(parents=True, exist_ok=True)
     if write_recipe:
         if not resume:
-            _set_aside_earlier_metrics(output_dir, stage)
+            _set_aside_earlier_logs(output_dir, stage, (METRICS_FILE, TENSORBOARD_DIR, *logs))
         (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
     return output_dir
 
@@ -123,11 +125,12 @@ def _require_no_earlier_run(output_dir: Path, stage: str) -> None:
                           "directory (or remove this one)")
 
 
-def _set_aside_earlier_metrics(output_dir: Path, stage: str) -> None:
-    """A run that died before its first checkpoint leaves its metrics: a fresh run appended to them, and its
-    curves showed the dead run's steps past the new run's last (read_metrics keeps the last record per step).
-    They move, whole, to the first free `earlier-<n>/` in `output_dir`; nothing is deleted."""
-    held = [output_dir / name for name in (METRICS_FILE, TENSORBOARD_DIR) if (output_dir / name).exists()]
+def _set_aside_earlier_logs(output_dir: Path, stage: str, names: tuple[str, ...]) -> None:
+    """A run that died before its first checkpoint leaves its logs: a fresh run appended to them (its curves
+    showed the dead run's steps past the new run's last: read_metrics keeps the last record per step; RL's
+    episodes mixed two runs). They move, whole, to the first free `earlier-<n>/` in `output_dir`; nothing is
+    deleted."""
+    held = [output_dir / name for name in names if (output_dir / name).exists()]
     if not held:
         return
     number = 1
@@ -137,7 +140,7 @@ def _set_aside_earlier_metrics(output_dir: Path, stage: str) -> None:
     aside.mkdir()
     for path in held:
         path.rename(aside / path.name)
-    say(f"[{stage}] {output_dir} held the metrics of an earlier run that saved no checkpoint: moved to {aside}")
+    say(f"[{stage}] {output_dir} held the logs of an earlier run that saved no checkpoint: moved to {aside}")
 
 
 def restore_training(
