@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -290,6 +291,38 @@ def test_rl_starts_from_dpo_after_it_unless_rl_from_says_sft(tmp_path):
     assert rl_start(run) == ("sft", run.model_after("sft"))
     with pytest.raises(ConfigError, match="rl_from"):
         toy_recipe(tmp_path, "[sft, dpo, rl]", ["rl_from=dpo"])
+
+
+def test_dpo_s_samples_and_the_tier_speed_probe_run_in_the_recipe_s_precision(tmp_path, monkeypatch):
+    """DPO's pair sampling and the distill stage's tokens/s probe build their engines as the evaluations do, in the
+    stage recipe's precision (they ran plain fp32 whatever `precision` said: on a bf16 machine the tier table's
+    speed was not the speed of the engine that served the report)."""
+    import torch
+
+    import posttrain.evaluate as evaluate
+    from posttrain.demo.distill import decode_speed
+    from posttrain.demo.pipeline import DemoRun
+
+    loaded = []
+
+    def recording(path, runtime=None, *args, **kwargs):
+        policy = load(path, runtime, *args, **kwargs)
+        loaded.append((Path(path).parent.name, policy.engine.autocast))
+        return policy
+
+    load = evaluate.load_policy
+    monkeypatch.setattr(evaluate, "load_policy", recording)
+    recipe = toy_recipe(tmp_path, "[sft, dpo]", ["dpo.runtime.precision=bf16", "sft.runtime.precision=fp32"])
+    stages = run_demo(recipe)["stages"]
+    assert stages["dpo"]["sampled_pass_rate"] == 0.0  # the toy SFT's samples were judged (none passes)
+    # SFT's checkpoint is loaded by its stage's evaluation, then by DPO's sampling, in DPO's precision
+    assert [stage for stage, _ in loaded].count("sft") == 2 and loaded[-1] == ("sft", torch.bfloat16)
+    run = DemoRun(recipe, tmp_path / "run")
+    for precision, autocast in (("bf16", torch.bfloat16), ("fp32", None)):
+        run.recipe.distill.runtime.precision = precision
+        loaded.clear()
+        figures = decode_speed(run, run.model_after("sft"))
+        assert loaded == [("sft", autocast)] and figures["decode_tokens_per_s"] > 0 and figures["parameters"] > 0
 
 
 def test_the_report_tables_name_the_guard_s_regressions_by_step():

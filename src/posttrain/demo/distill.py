@@ -58,17 +58,18 @@ def distill(run: DemoRun) -> dict[str, Any]:
 
 def decode_speed(run: DemoRun, model_dir) -> dict[str, Any]:
     """Parameters and greedy decode tokens/s of the model at `model_dir` on the first held-out prompts (the
-    demo's eval batch size and token budget; the messages only, without tool schemas: a speed probe)."""
-    from posttrain.config import ModelConfig
+    demo's eval batch size and token budget, the distill recipe's precision as the evaluations run it; the
+    messages only, without tool schemas: a speed probe)."""
+    from posttrain.config import EvalRuntime
     from posttrain.data import prompt_ids
-    from posttrain.models import count_parameters, load_model, load_tokenizer
-    from posttrain.rollout import HFEngine
+    from posttrain.evaluate import load_policy
+    from posttrain.models import count_parameters
     from posttrain.types import GenerationRequest, SamplingParams
 
-    config = ModelConfig(path=str(model_dir))
-    tokenizer = load_tokenizer(config)
-    model = load_model(config, tokenizer)
-    engine = HFEngine(model, tokenizer, max_batch_size=run.recipe.eval.batch_size)
+    runtime = run.recipe.distill.runtime
+    policy = load_policy(model_dir, EvalRuntime(device=runtime.device, precision=runtime.precision,
+                                                batch_size=run.recipe.eval.batch_size))
+    engine, tokenizer = policy.engine, policy.tokenizer
     tasks = load_heldout(run)[:SPEED_PROMPTS]
     requests = [GenerationRequest(ids) for ids in prompt_ids(tokenizer, [task.messages for task in tasks])]
     sampling = SamplingParams(max_new_tokens=run.recipe.eval.max_new_tokens, temperature=0.0)
@@ -77,4 +78,4 @@ def decode_speed(run: DemoRun, model_dir) -> dict[str, Any]:
     completions = engine.generate(requests, sampling)
     seconds = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for group in completions for c in group)
-    return {"parameters": count_parameters(model), "decode_tokens_per_s": round(tokens / max(seconds, 1e-9))}
+    return {"parameters": count_parameters(engine.model), "decode_tokens_per_s": round(tokens / max(seconds, 1e-9))}
