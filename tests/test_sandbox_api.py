@@ -219,6 +219,52 @@ def test_a_dead_launcher_is_an_infra_error_then_replaced():
     assert [path for path in lonely.footprint() if os.path.exists(path)] == []
 
 
+@pytest.fixture
+def open_tmp():
+    """A temp directory the slot uids may pass through (pytest's tmp_path is 0700 under a 0700 parent)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="test-launcher-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_next_launcher_removes_what_launchers_killed_with_their_trainer_left(open_tmp):
+    """A launcher killed hard with its trainer (a Ray worker's children die with the worker) leaves its two empty
+    directories in the temp dir, and nobody removed them: every such death left two more. The next launcher
+    removes every such pair nobody holds (a live launcher holds its directory's flock), and nothing with
+    contents, no link, no directory a live launcher holds, nothing of another name."""
+    import fcntl
+
+    with SandboxPool(1, tmp_dir=str(open_tmp)) as first:
+        assert Sandbox(pool=first).run(["true"]).ok
+        [uid] = first.slot_uids()
+        [live] = [path for path in open_tmp.iterdir() if not path.name.endswith("-ro")]
+        assert live.name.startswith(f"posttrain-sandbox-{uid}-")
+    assert list(open_tmp.iterdir()) == []  # a launcher that exits removes its own
+    stale = [open_tmp / f"posttrain-sandbox-{u}-4242-k1ll3d{suffix}" for u in (uid, uid + 7) for suffix in ("", "-ro")]
+    held = open_tmp / "posttrain-sandbox-77-4343-h0ld1ng"  # a live launcher's, from another pid namespace say
+    kept = [held, open_tmp / f"{held.name}-ro", open_tmp / "posttrain-sandbox-77-4444-full",
+            open_tmp / "posttrain-sandbox-77-4545-link", open_tmp / "posttrain-sandbox-0ldn4me", open_tmp / "target"]
+    for directory in stale + [path for path in kept if "link" not in path.name]:
+        directory.mkdir()
+    (kept[2] / "data").write_text("kept")
+    kept[3].symlink_to(kept[5], target_is_directory=True)
+    lock = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        with SandboxPool(1, tmp_dir=str(open_tmp)) as second:
+            assert Sandbox(pool=second).run(["true"]).ok
+            assert not any(path.exists() for path in stale)
+            assert all(path.is_symlink() or path.is_dir() for path in kept) and (kept[2] / "data").read_text() == "kept"
+    finally:
+        os.close(lock)
+    assert sorted(path.name for path in open_tmp.iterdir()) == sorted(path.name for path in kept)
+
+
 def test_closed_pool_refuses_runs():
     closed = SandboxPool(1)
     closed.close()

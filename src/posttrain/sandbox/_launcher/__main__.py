@@ -7,9 +7,12 @@ reply per request. The launcher stays single-threaded for its whole life.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import tempfile
 import traceback
@@ -20,6 +23,9 @@ import seccomp
 import syscalls
 import wire
 from slot import Slot, prune_mounts
+
+_FRESH = ".posttrain-sandbox-new-"  # a launcher's directory until it holds its lock (no sweep matches it)
+_OURS = re.compile(r"posttrain-sandbox-\d+-\d+-[^/]+\Z")  # a launcher's directory (or its -ro) of this version
 
 
 def _claim_uid(base: int, span: int) -> tuple[int, socket.socket]:
@@ -57,10 +63,11 @@ def _start(config: dict) -> tuple[Slot, object]:
         os.setgroups([])  # bubblewrap is spawned with the launcher's groups (spawn.py): none
     else:  # without root there is one uid to run as: our own (bubblewrap still maps it into a user namespace)
         uid, gid = os.getuid(), os.getgid()
-    # Unique per launcher, so nobody else's clean-up can ever touch this launcher's cgroups.
+    # Unique per launcher, so nobody else's clean-up can ever touch this launcher's cgroups or directories.
     name = f"posttrain-sandbox-{uid}-{os.getpid()}"
     syscalls.prctl(syscalls.PR_SET_CHILD_SUBREAPER, 1)
-    mount_point = tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=config["tmp_dir"])
+    _remove_stale_directories(config["tmp_dir"])
+    mount_point, _lock = _make_mount_point(config["tmp_dir"], name)  # held until this process dies
     try:
         syscalls.enter_private_mount_namespace(as_root)
     except OSError:
@@ -82,6 +89,57 @@ def _start(config: dict) -> tuple[Slot, object]:
     prune_mounts(keep=[slot.cgroups.memory_dir, slot.cgroups.pids_dir] if slot.cgroups is not None else [])
     slot.enter_own_network_namespace()
     return slot, holder
+
+
+def _make_mount_point(tmp_dir: str, name: str) -> tuple[str, int]:
+    """This launcher's directory in `tmp_dir`, ``<name>-XXXXXXXX``, and a descriptor holding an exclusive flock on
+    it for the launcher's life (released by the kernel however it dies): a directory of that form nobody locks is
+    a dead launcher's (`_remove_stale_directories`). Made under a name no sweep matches, locked, then renamed."""
+    fresh = tempfile.mkdtemp(prefix=_FRESH, dir=tmp_dir)
+    held = os.open(fresh, os.O_RDONLY | os.O_DIRECTORY)  # not inheritable: no jail ever holds it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    final = os.path.join(tmp_dir, f"{name}-{os.path.basename(fresh)[len(_FRESH):]}")
+    os.rename(fresh, final)
+    return final, held
+
+
+def _remove_stale_directories(tmp_dir: str) -> None:
+    """The two directories each launcher killed hard left in `tmp_dir` (``posttrain-sandbox-<uid>-<pid>-X`` and
+    its ``-ro``). Its mounts lived in its own mount namespace, so on the host they are empty. The trainer removes
+    them when it kills a launcher itself; nobody did when the trainer died with it (a Ray worker's children are
+    killed with the worker), and every such death left two more. Stale: nobody holds the directory's flock (a
+    live launcher does, from any pid or mount namespace); a ``-ro`` whose directory is gone. Only empty
+    directories of our own user, never through a link, with rmdir: nothing with contents is ever removed."""
+    try:
+        names = [entry.name for entry in os.scandir(tmp_dir) if _OURS.match(entry.name)]
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: (n.endswith("-ro"), n)):  # a directory before its -ro
+        path = os.path.join(tmp_dir, name)
+        owner = path[:-len("-ro")] if name.endswith("-ro") else None
+        if (os.path.lexists(owner) if owner else _locked(path)):
+            continue
+        try:
+            info = os.lstat(path)
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+                os.rmdir(path)
+        except OSError:
+            pass  # not empty, or gone: left as it is
+
+
+def _locked(path: str) -> bool:
+    """Whether a live launcher holds `path`'s flock (True too when it cannot be opened: left alone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _cleanup(slot: Slot) -> None:
