@@ -113,6 +113,28 @@ def test_resume_after_a_crash_continues_exactly(policy_dir, tmp_path):
     assert_same_weights(full.final_dir, resumed.final_dir)
 
 
+def test_a_fresh_run_moves_aside_the_logs_of_a_run_that_died_before_its_first_checkpoint(policy_dir, tmp_path):
+    """The RL stage appends to episodes.jsonl and schedule_events.jsonl besides metrics.jsonl: after a run that died
+    before saving anything, a fresh run's files hold its own steps only, the dead run's move whole to earlier-1/."""
+    import json
+
+    def crash(step, metrics):
+        if step == 1:
+            raise KeyboardInterrupt("simulated crash at step 1 (first checkpoint at step 2)")
+
+    config = recipe(policy_dir, tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(config, on_step=crash)
+    dead = {name: (tmp_path / "run" / name).read_bytes() for name in ("episodes.jsonl", "metrics.jsonl")}
+    assert dead["episodes.jsonl"] and not (tmp_path / "run" / "checkpoints").exists()
+    config.train.max_steps = 2
+    run_rl(config)
+    for name, content in dead.items():
+        assert (tmp_path / "run" / "earlier-1" / name).read_bytes() == content, name
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == [0, 1] and len(steps) == 2 * 3 * 4  # its two batches of 3 x 4 episodes, no more
+
+
 def test_infrastructure_failures_are_masked_not_scored(policy_dir, tmp_path):
     config = recipe(policy_dir, tmp_path / "flaky")
     config.domains = [DomainConfig(name="test_digits", args={"flaky": True}, heldout=0)]
