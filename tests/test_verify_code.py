@@ -330,6 +330,10 @@ def test_identical_judgements_run_one_jail_and_each_caller_gets_its_own_verdict(
         own = verify_code(wrong, ADD, sandbox=box)  # another sandbox class on the same pool: its own judgement
         assert own.score == 0.25 and not own.details.get("reused")
         assert verify_code(wrong, ADD, sandbox=box).details["reused"] is True
+        other_seen = []  # another class of the same name (one factory, two calls): its own judgement too
+        twin = _recording(box, other_seen)
+        assert type(twin).__qualname__ == type(recording).__qualname__ and type(twin) is not type(recording)
+        assert not verify_code(wrong, ADD, sandbox=twin).details.get("reused") and len(other_seen) == 1
 
 
 def test_an_infrastructure_failure_is_never_reused():

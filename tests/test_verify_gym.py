@@ -45,6 +45,31 @@ def test_a_dataset_with_several_right_answers_uses_its_scorer_in_the_sandbox():
     assert wrong.score == 0 and wrong.details["raw_score"] < 1 and not wrong.is_infrastructure_failure
 
 
+def test_an_answer_scored_once_is_not_scored_again_unless_reuse_is_off():
+    """An RL group often gives one wrong answer several times, each a jail that imports reasoning-gym: the same
+    answer to the same entry in the same pool is scored once (`posttrain.verify.memo`)."""
+    from posttrain.verify.gym import scorer_sandbox
+
+    box, runs = scorer_sandbox(), []
+
+    class Counting:  # the same pool, jail and limits: only counts the jails it runs
+        jail, pool, limits = box.jail, box.pool, box.limits
+
+        def run(self, cmd, **options):
+            runs.append(cmd)
+            return box.run(cmd, **options)
+
+    counting, item = Counting(), entry("countdown", seed=1)
+    wrong = f"<answer>{item['answer']} + 1</answer>"
+    first = verify_reasoning_gym(wrong, item, sandbox=counting)
+    again = verify_reasoning_gym(f"<think>another path</think>{wrong}", item, sandbox=counting)
+    assert len(runs) == 1 and again.details["reused"] is True and not first.details.get("reused")
+    assert (again.score, again.details["raw_score"]) == (first.score, first.details["raw_score"]) and first.score == 0
+    assert verify_reasoning_gym(f"<answer>({item['answer']})</answer>", item, sandbox=counting).passed
+    assert len(runs) == 2  # another answer: scored
+    assert verify_reasoning_gym(wrong, item, sandbox=counting, reuse=False).score == 0 and len(runs) == 3
+
+
 def test_code_in_an_answer_never_reaches_a_scorer_and_bad_entries_are_errors():
     item = entry("spiral_matrix")
     reward = verify_reasoning_gym("<answer>__import__('os').system('id')</answer>", item)

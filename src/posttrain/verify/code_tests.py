@@ -30,7 +30,6 @@ import json
 import math
 import os
 import secrets
-import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ from posttrain.verify import _harness
 from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import code_block, strip_reasoning
 from posttrain.verify.errors import VerifyError
-from posttrain.verify.memo import JudgementMemo, judgement_key
+from posttrain.verify.memo import judgement_key, pool_memo, sandbox_key
 from posttrain.verify.registry import verifier
 
 _HARNESS_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")).read()
@@ -337,34 +336,12 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
                       details={"reason": "workspace_too_large", "bytes": size, "workdir_mb": run_limits.workdir_mb,
                                **scheme})
     args = (box, spec, source, timeout_s, files, dropped, run_limits, infra_retries, after_timeout_s, float_tolerance)
-    memo = _memo(box) if reuse else None
+    memo = pool_memo(box) if reuse else None
     if memo is None:
         return _score(*args)
-    # the sandbox's class too: a wrapper around the same pool may run the jail its own way
-    key = judgement_key(asdict(spec), source, sorted(files.items()), dropped, repr(run_limits), repr(box.jail),
-                        f"{type(box).__module__}.{type(box).__qualname__}", timeout_s, after_timeout_s,
-                        float_tolerance)
+    key = judgement_key(asdict(spec), source, sorted(files.items()), dropped, repr(run_limits), *sandbox_key(box),
+                        timeout_s, after_timeout_s, float_tolerance)
     return memo.judge(key, lambda: _score(*args))
-
-
-# Each sandbox pool's verdicts (`posttrain.verify.memo`): another pool may run another jail, so none is shared.
-_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_memos_lock = threading.Lock()
-
-
-def _memo(box: Any) -> JudgementMemo | None:
-    """The memo of `box`'s pool; None for a sandbox without one (nothing to tell its jails apart by)."""
-    pool = getattr(box, "pool", None)
-    if pool is None:
-        return None
-    with _memos_lock:
-        try:
-            memo = _memos.get(pool)
-            if memo is None:
-                memo = _memos[pool] = JudgementMemo()
-        except TypeError:  # a pool that cannot be weakly referenced: judged every time
-            return None
-    return memo
 
 
 def _scheme(spec: TestSpec) -> dict[str, Any]:

@@ -13,6 +13,7 @@ else ``\\boxed{}``, else the whole text after any ``<think>`` block.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import strip_reasoning, tagged
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.math_answer import boxed_answers
+from posttrain.verify.memo import judgement_key, pool_memo, sandbox_key
 from posttrain.verify.registry import verifier
 
 _SCORER_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gym_scorer.py")).read()
@@ -66,8 +68,12 @@ def scorer_sandbox() -> Sandbox:
 @verifier("reasoning_gym", check=_check_gym_args)
 def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str | None = None,
                          use_scorer: bool = True, timeout_s: float = 30.0, sandbox: Sandbox | None = None,
-                         infra_retries: int = 2, final_state: dict[str, Any] | None = None) -> Reward:
-    """1 if the answer is exactly right (or the dataset's scorer gives exactly 1.0), else 0."""
+                         infra_retries: int = 2, final_state: dict[str, Any] | None = None,
+                         reuse: bool = True) -> Reward:
+    """1 if the answer is exactly right (or the dataset's scorer gives exactly 1.0), else 0. With `reuse`, an
+    answer the scorer judged already for this entry in this sandbox pool is not judged again
+    (`posttrain.verify.memo`: an RL group often gives one wrong answer several times, each a jail that imports
+    reasoning-gym)."""
     _check_gym_args(entry, dataset)
     name = dataset or entry["metadata"]["source_dataset"]
     answers = set(_answers(completion))
@@ -83,10 +89,22 @@ def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str
         return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={**details, "method": "exact"})
     if len(answer) > _MAX_ANSWER_CHARS or _UNSAFE.search(answer):
         return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={**details, "reason": "unsafe_answer"})
+    box = sandbox or scorer_sandbox()
+    memo = pool_memo(box) if reuse else None
+    judge = functools.partial(_score, box, name, answer, entry, details, timeout_s, infra_retries)
+    if memo is None:
+        return judge()
+    key = judgement_key("reasoning_gym", name, answer, entry, timeout_s, repr(getattr(box, "limits", None)),
+                        *sandbox_key(box))
+    return memo.judge(key, judge)
+
+
+def _score(box: Any, name: str, answer: str, entry: dict[str, Any], details: dict[str, Any], timeout_s: float,
+           infra_retries: int) -> Reward:
+    """The dataset's scorer on `answer`, in a jail of `box`."""
     nonce = new_nonce()
     config_name = f".config-{secrets.token_hex(8)}"
     config = {"nonce": nonce, "dataset": name, "answer": answer, "entry": entry, "timeout_s": timeout_s}
-    box = sandbox or scorer_sandbox()
     config["jailed"] = runs_in_jail(box)
     for attempt in range(infra_retries + 1):
         result = box.run([box.jail.python, "-B", "-s", "_gym_scorer.py", config_name],
@@ -101,7 +119,7 @@ def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str
         return Reward(0.0, False, FailureClass.WRONG_ANSWER,
                       details={**details, "reason": "scorer_failed", "status": str(result.status)})
     raw = float(record.get("score", 0.0))
-    details.update(method="scorer", raw_score=raw)
+    details = {**details, "method": "scorer", "raw_score": raw}
     if raw >= 1.0:
         return Reward(1.0, True, details=details)
     return Reward(0.0, False, FailureClass.WRONG_ANSWER, details=details)

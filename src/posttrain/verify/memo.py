@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import threading
+import weakref
 from typing import Any, Callable
 
 from posttrain.types import Reward
@@ -82,3 +83,31 @@ def _copy(verdict: Reward, *, reused: bool) -> Reward:
     """A caller's own Reward (callers add to details: one must not write into another's)."""
     details = {**verdict.details, **({"reused": True} if reused else {})}
     return dataclasses.replace(verdict, components=dict(verdict.components), details=details)
+
+
+# Each sandbox pool's verdicts: another pool may run another jail, so none is shared.
+_pool_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_pool_memos_lock = threading.Lock()
+
+
+def pool_memo(box: Any) -> JudgementMemo | None:
+    """The memo of the sandbox `box`'s pool; None for a sandbox without one (nothing to tell its jails apart by)."""
+    pool = getattr(box, "pool", None)
+    if pool is None:
+        return None
+    with _pool_memos_lock:
+        try:
+            memo = _pool_memos.get(pool)
+            if memo is None:
+                memo = _pool_memos[pool] = JudgementMemo()
+        except TypeError:  # a pool that cannot be weakly referenced: judged every time
+            return None
+    return memo
+
+
+def sandbox_key(box: Any) -> list[str]:
+    """What of the sandbox `box` a sandboxed verdict depends on besides the run's inputs and limits: the jail it
+    shows, and its class, which may run the jail its own way (a wrapper around the same pool). The class object,
+    not its name: two wrappers made by one factory share a name."""
+    kind = type(box)
+    return [repr(getattr(box, "jail", None)), f"{kind.__module__}.{kind.__qualname__}@{id(kind)}"]
