@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from posttrain.verify import _harness
 from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import code_block, strip_reasoning
 from posttrain.verify.errors import VerifyError
-from posttrain.verify.memo import judgement_key, pool_memo, sandbox_key
+from posttrain.verify.memo import judged_once
 from posttrain.verify.registry import verifier
 
 _HARNESS_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")).read()
@@ -335,13 +336,10 @@ def verify_code(completion: str, tests: Any, *, timeout_s: float = 4.0, after_ti
         return Reward(0.0, False, FailureClass.WRONG_ANSWER,
                       details={"reason": "workspace_too_large", "bytes": size, "workdir_mb": run_limits.workdir_mb,
                                **scheme})
-    args = (box, spec, source, timeout_s, files, dropped, run_limits, infra_retries, after_timeout_s, float_tolerance)
-    memo = pool_memo(box) if reuse else None
-    if memo is None:
-        return _score(*args)
-    key = judgement_key(asdict(spec), source, sorted(files.items()), dropped, repr(run_limits), *sandbox_key(box),
-                        timeout_s, after_timeout_s, float_tolerance)
-    return memo.judge(key, lambda: _score(*args))
+    judge = functools.partial(_score, box, spec, source, timeout_s, files, dropped, run_limits, infra_retries,
+                              after_timeout_s, float_tolerance)
+    return judged_once(box, reuse, judge, asdict(spec), source, sorted(files.items()), dropped, repr(run_limits),
+                       timeout_s, after_timeout_s, float_tolerance)
 
 
 def _scheme(spec: TestSpec) -> dict[str, Any]:

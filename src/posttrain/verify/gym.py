@@ -27,7 +27,7 @@ from posttrain.verify.channel import new_nonce, read_record, runs_in_jail
 from posttrain.verify.completion import strip_reasoning, tagged
 from posttrain.verify.errors import VerifyError
 from posttrain.verify.math_answer import boxed_answers
-from posttrain.verify.memo import judgement_key, pool_memo, sandbox_key
+from posttrain.verify.memo import judged_once
 from posttrain.verify.registry import verifier
 
 _SCORER_SOURCE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gym_scorer.py")).read()
@@ -90,13 +90,9 @@ def verify_reasoning_gym(completion: str, entry: dict[str, Any], *, dataset: str
     if len(answer) > _MAX_ANSWER_CHARS or _UNSAFE.search(answer):
         return Reward(0.0, False, FailureClass.WRONG_ANSWER, details={**details, "reason": "unsafe_answer"})
     box = sandbox or scorer_sandbox()
-    memo = pool_memo(box) if reuse else None
     judge = functools.partial(_score, box, name, answer, entry, details, timeout_s, infra_retries)
-    if memo is None:
-        return judge()
-    key = judgement_key("reasoning_gym", name, answer, entry, timeout_s, repr(getattr(box, "limits", None)),
-                        *sandbox_key(box))
-    return memo.judge(key, judge)
+    return judged_once(box, reuse, judge, "reasoning_gym", name, answer, entry, timeout_s,
+                       repr(getattr(box, "limits", None)))
 
 
 def _score(box: Any, name: str, answer: str, entry: dict[str, Any], details: dict[str, Any], timeout_s: float,

@@ -85,12 +85,25 @@ def _copy(verdict: Reward, *, reused: bool) -> Reward:
     return dataclasses.replace(verdict, components=dict(verdict.components), details=details)
 
 
+def judged_once(box: Any, reuse: bool, judge: Callable[[], Reward], *parts: Any) -> Reward:
+    """`judge()`, run once per key in the memo of the sandbox `box`'s pool: the key is `parts` (everything of the
+    run the verdict depends on) with the jail `box` shows and its class, which may run the jail its own way (a
+    wrapper around the same pool; the class object, not its name: two wrappers made by one factory share a
+    name). Judged every call without `reuse` or where `box` has no pool to keep verdicts for."""
+    memo = _pool_memo(box) if reuse else None
+    if memo is None:
+        return judge()
+    kind = type(box)
+    return memo.judge(judgement_key(*parts, repr(getattr(box, "jail", None)),
+                                    f"{kind.__module__}.{kind.__qualname__}@{id(kind)}"), judge)
+
+
 # Each sandbox pool's verdicts: another pool may run another jail, so none is shared.
 _pool_memos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _pool_memos_lock = threading.Lock()
 
 
-def pool_memo(box: Any) -> JudgementMemo | None:
+def _pool_memo(box: Any) -> JudgementMemo | None:
     """The memo of the sandbox `box`'s pool; None for a sandbox without one (nothing to tell its jails apart by)."""
     pool = getattr(box, "pool", None)
     if pool is None:
@@ -103,11 +116,3 @@ def pool_memo(box: Any) -> JudgementMemo | None:
         except TypeError:  # a pool that cannot be weakly referenced: judged every time
             return None
     return memo
-
-
-def sandbox_key(box: Any) -> list[str]:
-    """What of the sandbox `box` a sandboxed verdict depends on besides the run's inputs and limits: the jail it
-    shows, and its class, which may run the jail its own way (a wrapper around the same pool). The class object,
-    not its name: two wrappers made by one factory share a name."""
-    kind = type(box)
-    return [repr(getattr(box, "jail", None)), f"{kind.__module__}.{kind.__qualname__}@{id(kind)}"]
