@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from posttrain.demo.base import SFT_FILE, load_heldout
+from posttrain.demo.evaluation import stage_runtime
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 
@@ -60,15 +61,12 @@ def decode_speed(run: DemoRun, model_dir) -> dict[str, Any]:
     """Parameters and greedy decode tokens/s of the model at `model_dir` on the first held-out prompts (the
     demo's eval batch size and token budget, the distill recipe's precision as the evaluations run it; the
     messages only, without tool schemas: a speed probe)."""
-    from posttrain.config import EvalRuntime
     from posttrain.data import prompt_ids
     from posttrain.evaluate import load_policy
     from posttrain.models import count_parameters
     from posttrain.types import GenerationRequest, SamplingParams
 
-    runtime = run.recipe.distill.runtime
-    policy = load_policy(model_dir, EvalRuntime(device=runtime.device, precision=runtime.precision,
-                                                batch_size=run.recipe.eval.batch_size))
+    policy = load_policy(model_dir, stage_runtime(run.recipe.distill.runtime, run.recipe.eval.batch_size))
     engine, tokenizer = policy.engine, policy.tokenizer
     tasks = load_heldout(run)[:SPEED_PROMPTS]
     requests = [GenerationRequest(ids) for ids in prompt_ids(tokenizer, [task.messages for task in tasks])]

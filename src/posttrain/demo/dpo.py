@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from posttrain.data import episodes_to_pairs, write_records
-from posttrain.demo.evaluation import TIMEOUT_SCALE
+from posttrain.demo.evaluation import TIMEOUT_SCALE, stage_runtime
 from posttrain.demo.pipeline import DemoRun, demo_stage, source
 from posttrain.demo.sft import evaluate_stage
 from posttrain.tasks import get_domain, sample_tasks
@@ -60,7 +60,7 @@ def _sample_episodes(run: DemoRun, policy_dir) -> list[Trajectory]:
     """The SFT model's samples of fresh train-split tasks, judged, through the evaluation runner the stages'
     evaluations use (batched engine calls; the DPO recipe's precision, so `precision: auto` samples in bf16 on a
     CPU with native bf16 as RL and the evaluations do; the same timeout scale for queueing on a busy CPU)."""
-    from posttrain.config import EvalRuntime, EvalSampling
+    from posttrain.config import EvalSampling
     from posttrain.evaluate import load_policy, run_items
 
     settings = run.recipe.dpo_pairs
@@ -70,9 +70,7 @@ def _sample_episodes(run: DemoRun, policy_dir) -> list[Trajectory]:
         count = settings.prompts // len(domains)
         tasks += sample_tasks(get_domain(spec.name, **spec.args), count, level=spec.levels, split="train",
                               seed=run.recipe.seed + 500 + index)
-    device, precision = run.recipe.dpo.runtime.device, run.recipe.dpo.runtime.precision
-    runtime = EvalRuntime(device=device, precision=precision, batch_size=run.recipe.eval.batch_size,
-                          timeout_scale=TIMEOUT_SCALE)
+    runtime = stage_runtime(run.recipe.dpo.runtime, run.recipe.eval.batch_size, timeout_scale=TIMEOUT_SCALE)
     sampling = EvalSampling(max_new_tokens=run.recipe.eval.max_new_tokens, greedy=False, n=settings.samples,
                             k=[1], temperature=settings.temperature, seed=run.recipe.seed)
     items, _ = run_items(load_policy(policy_dir, runtime), tasks, sampling, runtime)

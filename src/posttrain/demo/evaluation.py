@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from posttrain.config import EvalRuntime
 from posttrain.types import Task, Trajectory
 
 ITEMS_FILE = "heldout_items.json"  # in a stage's directory: every held-out item's outcome, for paired comparisons
@@ -18,12 +19,17 @@ EPISODE_CACHE = "episode_cache"  # in the demo's directory: the stages' held-out
 TIMEOUT_SCALE = 3.0
 
 
+def stage_runtime(run_config: Any, batch_size: int, **options: Any) -> EvalRuntime:
+    """An evaluation runtime in a stage recipe's device and precision (`run_config`: its `runtime` section), for
+    an engine that samples or times that stage's model as the evaluations run it."""
+    return EvalRuntime(device=run_config.device, precision=run_config.precision, batch_size=batch_size, **options)
+
+
 def heldout_accuracy(model_dir: Path, tasks: Sequence[Task], *, max_new_tokens: int, batch_size: int = 64,
                      device: str = "cpu", episode_cache: str | None = None, timeout_scale: float = 1.0
                      ) -> tuple[dict[str, float], list[Trajectory]]:
     """Greedy pass rate (pass@1) per domain of the model at `model_dir` over `tasks`, and the trajectories
     (episodes kept in and reused from `episode_cache` when given: `posttrain.evaluate.cache`)."""
-    from posttrain.config import EvalRuntime
     from posttrain.evaluate import load_policy
 
     policy = load_policy(model_dir, EvalRuntime(device=device, batch_size=batch_size))
@@ -37,7 +43,7 @@ def policy_accuracy(policy, tasks: Sequence[Task], *, max_new_tokens: int, batch
     """`heldout_accuracy` for an already loaded `posttrain.evaluate.Policy` (e.g. one kept up to date with a
     model in training through `engine.update_weights`: its `settings` must then be None, so nothing is cached
     under the checkpoint it was loaded from)."""
-    from posttrain.config import EvalRuntime, EvalSampling
+    from posttrain.config import EvalSampling
     from posttrain.evaluate import ItemEpisodes, outcome_metrics, run_items
 
     items, _ = run_items(policy, list(tasks), EvalSampling(max_new_tokens=max_new_tokens), EvalRuntime(
@@ -65,7 +71,7 @@ def sampled_pass_at_k(model_dir: Path, tasks: Sequence[Task], *, n: int, ks: Seq
     """pass@1 and pass@k (unbiased, from `n` sampled episodes per item at `temperature`) per domain and level,
     {"code": {"1": {"pass@1": 0.31, "pass@4": 0.55}}}, and each item's share of passing samples per domain,
     {"code": {task id: 0.375}} (what `paired_difference` compares between stages)."""
-    from posttrain.config import EvalRuntime, EvalSampling
+    from posttrain.config import EvalSampling
     from posttrain.evaluate import ItemEpisodes, by_level, item_pass_rates, load_policy, run_items
 
     if not tasks:
