@@ -20,6 +20,7 @@ from posttrain.models import (
     compile_cache_dir,
     compile_pays,
     compile_shape_key,
+    prepare_compile,
     read_compile_record,
     train_tokenizer,
     use_compile_cache,
@@ -50,20 +51,24 @@ def test_auto_compiles_only_runs_long_enough_to_win_it_back(monkeypatch):
 
 def test_a_warm_cache_compiles_runs_long_enough_to_win_a_warm_compile_back(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
-    # this machine's own figures: a warm compile of 40 CPU-s, 0.1 CPU-s saved per step -> 400 steps pay it back
-    measured = CompileRecord(cold_cpu_s=150.0, warm_cpu_s=40.0, compiled_step_cpu_s=1.0, eager_step_cpu_s=1.1)
+    # this machine's own figures: a warm compile of 40 CPU-s, 0.1 CPU-s saved per step (0.05 per 1k tokens, 2k
+    # tokens a step) -> 400 steps pay it back
+    measured = CompileRecord(cold_cpu_s=150.0, warm_cpu_s=40.0, compiled_s_per_ktoken=(0.5,),
+                             eager_s_per_ktoken=(0.55,), ktokens_per_step=(2.0,))
     assert compile_pays(399, 500, "cpu", record=measured)[0] is False
     decision, reason = compile_pays(400, 500, "cpu", record=measured)
     assert decision is True and "warm" in reason and "400" in reason
     # cold, the same run stays eager: the cache has nothing for this shape
     assert compile_pays(400, 500, "cpu", record=None)[0] is False
-    assert compile_pays(400, 500, "cpu", record=CompileRecord(eager_step_cpu_s=1.1))[0] is False
+    eager_only = CompileRecord(eager_s_per_ktoken=(0.55,), ktokens_per_step=(2.0,))
+    assert compile_pays(400, 500, "cpu", record=eager_only)[0] is False
     # no step figures yet: min_steps scaled by the warm compile's share of the cold one (500 * 30/150 = 100)
     early = CompileRecord(cold_cpu_s=150.0, warm_cpu_s=30.0)
     assert compile_pays(99, 500, "cpu", record=early)[0] is False
     assert compile_pays(100, 500, "cpu", record=early)[0] is True
     # a compiled step measured no faster here: never worth it
-    slower = CompileRecord(cold_cpu_s=150.0, warm_cpu_s=40.0, compiled_step_cpu_s=1.2, eager_step_cpu_s=1.1)
+    slower = CompileRecord(cold_cpu_s=150.0, warm_cpu_s=40.0, compiled_s_per_ktoken=(0.6,), eager_s_per_ktoken=(0.55,),
+                           ktokens_per_step=(2.0,))
     decision, reason = compile_pays(100_000, 500, "cpu", record=slower)
     assert decision is False and "no faster" in reason
     runtime = RLRecipe().runtime
@@ -94,26 +99,27 @@ def test_the_meter_records_what_a_run_measured_and_auto_reads_it_back(monkeypatc
     key = "shape"
     assert read_compile_record(key) is None
     eager = CompileMeter(key, compiled=False, window=4)
-    for seconds in (1.3, 1.2, 1.25, 1.2):
-        eager.observe(seconds)
+    for seconds in (1.3, 1.2, 1.25, 1.2):  # 2,000 tokens a step
+        eager.observe(seconds, 2000)
     eager.close()
-    assert read_compile_record(key) == CompileRecord(eager_step_cpu_s=1.2)
+    assert read_compile_record(key) == CompileRecord(eager_s_per_ktoken=(0.6,), ktokens_per_step=(2.0,))
     cold = CompileMeter(key, compiled=True, window=4)
     assert not cold.was_warm
     _compiling(0.3)  # wherever it happens: before the first step (the self-test), or in it
     for seconds in (5.0, 1.0, 1.1, 1.0):
-        cold.observe(seconds)
+        cold.observe(seconds, 2000)
     record = read_compile_record(key)
-    assert record.warm and 0.3 <= record.cold_cpu_s < 0.6 and record.compiled_step_cpu_s == 1.0
-    _compiling(0.2)  # a recompile after the window: recorded at the run's end
-    cold.observe(1.0)
+    assert record.warm and 0.3 <= record.cold_cpu_s < 0.6 and record.compiled_s_per_ktoken == (0.5,)
+    _compiling(0.2)  # a recompile after the window: recorded at the run's end, the steps not counted twice
+    cold.observe(1.0, 2000)
     cold.close()
     assert 0.5 <= read_compile_record(key).cold_cpu_s < 0.8
+    assert read_compile_record(key).compiled_s_per_ktoken == (0.5,)
     assert len(callback_handler.start_callbacks) == callbacks  # the meter's callbacks are gone
     again = CompileMeter(key, compiled=True, window=4)  # a second run in this process: torch's memory is warm
     assert not again.first_in_process
     for seconds in (1.0, 1.0, 1.0):
-        again.observe(seconds)
+        again.observe(seconds, 2000)
     again.close()
     assert 0.5 <= read_compile_record(key).cold_cpu_s < 0.8 and read_compile_record(key).warm_cpu_s is None
     monkeypatch.setattr("posttrain.models.compile_cache._COMPILED_IN_PROCESS", set())  # as a new process
@@ -121,7 +127,7 @@ def test_the_meter_records_what_a_run_measured_and_auto_reads_it_back(monkeypatc
     assert warm.was_warm
     _compiling(0.05)
     for seconds in (1.5, 1.0, 1.0):
-        warm.observe(seconds)
+        warm.observe(seconds, 2000)
     warm.close()  # a run shorter than the window records at its end
     record = read_compile_record(key)
     assert 0.5 <= record.cold_cpu_s < 0.8 and 0.05 <= record.warm_cpu_s < 0.3
@@ -129,9 +135,55 @@ def test_the_meter_records_what_a_run_measured_and_auto_reads_it_back(monkeypatc
     assert compile_pays(2, 500, "cpu", record=record)[0] is True
     assert compile_pays(2, 500, "cpu", record=None)[0] is False
     short = CompileMeter("other", compiled=True)
-    short.observe(50.0)
+    short.observe(50.0, 2000)
     short.close()  # one step says nothing steady: no record
     assert read_compile_record("other") is None
+
+
+def test_eager_and_compiled_steps_of_different_lengths_compare_per_token(monkeypatch, tmp_path):
+    """An eager run of short completions and a compiled run of long ones: per step the eager run looked ~6x
+    cheaper (and `auto` judged compiling a loss for good); per token the compiled step is the cheaper one."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr("posttrain.models.compile_cache._COMPILED_IN_PROCESS", set())
+    compiled = CompileMeter("shape", compiled=True, window=4)
+    _compiling(0.05)
+    for _ in range(4):
+        compiled.observe(1.2, 4000)  # 32-token completions: 0.30 CPU-s per 1k tokens
+    compiled.close()
+    eager = CompileMeter("shape", compiled=False, window=4)
+    for _ in range(4):
+        eager.observe(0.2, 600)  # 3-token answers: 0.33 per 1k tokens
+    eager.close()
+    record = read_compile_record("shape")
+    saving, figures = record.saving_per_step()
+    assert saving > 0 and "per 1k tokens" in figures
+    assert compile_pays(100_000, 500, "cpu", record=record)[0] is True
+
+
+def test_the_step_figures_are_medians_of_the_latest_runs(monkeypatch, tmp_path):
+    """One run's figure swings; the record keeps the last RUNS_KEPT runs' and `auto` reads their median. A record
+    written before figures were per token keeps its compile costs and drops its step figures."""
+    from posttrain.models.compile_cache import RUNS_KEPT, _record_path
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    for seconds in (1.0, 1.0, 9.0, 1.1, 1.2, 0.9, 1.0):  # an outlier run among seven
+        meter = CompileMeter("shape", compiled=False, window=3)
+        for _ in range(3):
+            meter.observe(seconds, 1000)
+        meter.close()
+    record = read_compile_record("shape")
+    assert record.eager_s_per_ktoken == (9.0, 1.1, 1.2, 0.9, 1.0) and len(record.eager_s_per_ktoken) == RUNS_KEPT
+    record = CompileRecord(cold_cpu_s=100.0, warm_cpu_s=30.0, compiled_s_per_ktoken=(0.9,),
+                           eager_s_per_ktoken=record.eager_s_per_ktoken, ktokens_per_step=(1.0,) * 5)
+    assert record.saving_per_step()[0] == pytest.approx(0.2)  # the median 1.1 - 0.9, not the outlier's 8.1
+    old = _record_path("old")
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_text(json.dumps({"cold_cpu_s": 106.0, "warm_cpu_s": 27.0, "compiled_step_cpu_s": 1.197,
+                               "eager_step_cpu_s": 0.204}))
+    assert read_compile_record("old") == CompileRecord(cold_cpu_s=106.0, warm_cpu_s=27.0)
 
 
 def test_the_shape_key_follows_the_architecture_and_precision():
@@ -211,6 +263,33 @@ def test_the_setting_round_trips_through_yaml(value, tmp_path):
     path.write_text(yaml.safe_dump({"stage": "rl", "runtime": {"compile": value}}))
     assert load_recipe(path).runtime.compile == value
     assert load_recipe(path, [f"runtime.compile={str(value).lower()}"]).runtime.compile == value
+
+
+def test_a_single_row_after_batches_of_several_runs_eagerly_not_as_a_second_graph():
+    """torch specializes a batch of one row: RL's mini-batch of zero-advantage sequences runs its shortest one,
+    and that rare batch recompiled the trainer's decoder (measured: a second graph in every compiled run). It now
+    runs eagerly, with the same logits; a decoder whose first batch had one row keeps its compiled graph."""
+    from torch._dynamo.utils import counters
+
+    from posttrain.models import split_head
+    from posttrain.train import selected_logits
+
+    tokenizer = train_tokenizer(["What is 12 + 34? 46"] * 20, vocab_size=64)
+    ids = torch.randint(1, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    select = torch.ones(3, 8, dtype=torch.bool)
+    prepare_compile()  # as every posttrain compile does (duck sizing off)
+    for first_rows, graphs in ((3, 1), (1, 2)):  # a first single row is traced as such, and 2 rows then recompile
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_tiny_model("tiny-1m", tokenizer, seed=0).eval()
+        with torch.no_grad():
+            expected = selected_logits(model, ids[:1], select[:1])
+        split_head(model)[0].compile(backend="eager", dynamic=True)
+        with torch.no_grad():
+            selected_logits(model, ids[:first_rows], select[:first_rows])
+            assert torch.allclose(selected_logits(model, ids[:1], select[:1]), expected, atol=1e-6)
+            selected_logits(model, ids[:2], select[:2])
+        assert counters["stats"]["unique_graphs"] == graphs, first_rows
 
 
 # One process: the RL loss's forward and backward through a compiled decoder stack (fp32), against the same model

@@ -22,9 +22,16 @@ loaded); a steady step then takes 1.07 CPU-s against 1.17 eager (docs/benchmarks
 The cache cannot be asked whether it holds a model shape without tracing it, so a run that compiled leaves a
 small record beside the cache (`CompileMeter`: ``<inductor dir>/posttrain-shapes/<key>.json``, the key a hash of
 the model's architecture, precision, device and the torch and transformers versions: `compile_shape_key`), with
-what this machine measured: the compile's cost cold and warm, and a steady step compiled and eager (an eager run
-records its step too). `compile_pays` decides ``compile: auto`` from it: a shape compiled here before is warm,
-and compiles when the run is long enough for the measured saving per step to win the warm compile back.
+what this machine measured: the compile's cost cold and warm, and a steady step's CPU time compiled and eager (an
+eager run records its step too). `compile_pays` decides ``compile: auto`` from it: a shape compiled here before is
+warm, and compiles when the run is long enough for the measured saving per step to win the warm compile back.
+
+A steady step is recorded per token it ran (sampled plus trained): the eager figure and the compiled one come
+from different runs, and a run whose completions are a tenth as long takes a tenth of the CPU a step (an eager
+bench run of 3-token answers once recorded 0.20 CPU-s a step against 1.20 compiled from 32-token ones, and
+``auto`` then judged compiling ~6x slower). Each figure is the median of the last `RUNS_KEPT` runs' (one run's
+median over 7 steps swung the saving 2-5x); the saving per step is the two rates' difference times the tokens a
+step of the latest runs ran.
 """
 
 from __future__ import annotations
@@ -119,27 +126,61 @@ def _record_path(key: str) -> Path:
     return inductor / "posttrain-shapes" / f"{key}.json"
 
 
+RUNS_KEPT = 5  # runs whose step figures a record keeps (each figure used is their median)
+
+
 @dataclass(frozen=True)
 class CompileRecord:
     """What this machine measured for a model shape (CPU seconds of the process, the C++ compiler's included):
-    the compile from an empty cache, the latest one that found it warm, and a steady step compiled and eager."""
+    the compile from an empty cache, the latest one that found it warm, and, for the latest `RUNS_KEPT` runs of
+    each kind, a steady step's CPU seconds per thousand tokens compiled and eager, and the thousands of tokens a
+    steady step ran (sampled plus trained)."""
 
     cold_cpu_s: float | None = None  # None: never compiled here (the cache is cold for this shape)
     warm_cpu_s: float | None = None
-    compiled_step_cpu_s: float | None = None
-    eager_step_cpu_s: float | None = None
+    compiled_s_per_ktoken: tuple[float, ...] = ()
+    eager_s_per_ktoken: tuple[float, ...] = ()
+    ktokens_per_step: tuple[float, ...] = ()
 
     @property
     def warm(self) -> bool:
         return self.cold_cpu_s is not None
 
+    def saving_per_step(self) -> tuple[float, str] | None:
+        """CPU seconds a compiled step saves over an eager one (negative: it costs), and the figures it came from;
+        None until this machine has measured both."""
+        if not (self.compiled_s_per_ktoken and self.eager_s_per_ktoken and self.ktokens_per_step):
+            return None
+        eager, compiled = statistics.median(self.eager_s_per_ktoken), statistics.median(self.compiled_s_per_ktoken)
+        ktokens = statistics.median(self.ktokens_per_step)
+        figures = (f"{eager:.3f} CPU-s per 1k tokens eager / {compiled:.3f} compiled (medians of "
+                   f"{len(self.eager_s_per_ktoken)} / {len(self.compiled_s_per_ktoken)} runs), "
+                   f"~{ktokens:.1f}k tokens a step")
+        return (eager - compiled) * ktokens, figures
+
+    def with_step(self, compiled: bool, s_per_ktoken: float, ktokens: float) -> CompileRecord:
+        """This record with one more run's steady step."""
+        def kept(figures: tuple[float, ...], value: float) -> tuple[float, ...]:
+            return (*figures, round(value, 6))[-RUNS_KEPT:]
+
+        rate = "compiled_s_per_ktoken" if compiled else "eager_s_per_ktoken"
+        return replace(self, **{rate: kept(getattr(self, rate), s_per_ktoken),
+                                "ktokens_per_step": kept(self.ktokens_per_step, ktokens)})
+
 
 def read_compile_record(key: str) -> CompileRecord | None:
-    """The record of `key`, or None when this machine has no figures for that shape (or its cache was wiped)."""
+    """The record of `key`, or None when this machine has no figures for that shape (or its cache was wiped). A
+    record written before steps were counted per token keeps its compile costs and drops its step figures."""
     try:
         data = json.loads(_record_path(key).read_text())
-        return CompileRecord(**{name: (float(data[name]) if data.get(name) is not None else None)
-                                for name in CompileRecord.__dataclass_fields__})
+        fields = {}
+        for name, spec in CompileRecord.__dataclass_fields__.items():
+            value = data.get(name)
+            if spec.default == ():
+                fields[name] = tuple(float(v) for v in value) if isinstance(value, list) else ()
+            else:
+                fields[name] = float(value) if value is not None else None
+        return CompileRecord(**fields)
     except (OSError, ValueError, TypeError):
         return None
 
@@ -166,8 +207,9 @@ class CompileMeter:
     The compile cost is the CPU time spent inside torch's compiles (the process's, every thread, and the C++
     compiler's child processes), timed by dynamo's compile callbacks, which fire around each compile, the lazily
     compiled backward included, wherever it happens: the self-test, a batch sampled ahead, the first update.
-    The steady step is the median CPU time of steps 2 to `window`. Recorded after `window` steps, and again at
-    `close` when a later compile added to the cost.
+    The steady step is the median over steps 2 to `window` of each step's CPU time per thousand tokens, with the
+    median tokens a step ran. Recorded after `window` steps, and again at `close` when a later compile added to
+    the cost (the steps are recorded once a run).
     """
 
     def __init__(self, key: str | None, compiled: bool, window: int = 8):
@@ -176,7 +218,7 @@ class CompileMeter:
         # A second compiled run in one process reuses what torch compiled in memory (~0 CPU-s): not what a new
         # process pays, so only the first run of a shape in a process records its compile cost.
         self.first_in_process = key not in _COMPILED_IN_PROCESS
-        self.step_cpu_s: list[float] = []
+        self.steps: list[tuple[float, float]] = []  # (CPU seconds, tokens) per step
         self.compile_cpu_s = 0.0
         self._recorded_cpu_s: float | None = None
         self._started: float | None = None
@@ -196,10 +238,10 @@ class CompileMeter:
             self.compile_cpu_s += time.process_time() + _children_cpu_s() - self._started
             self._started = None
 
-    def observe(self, step_cpu_s: float) -> None:
-        """One step's CPU time (the process's)."""
-        self.step_cpu_s.append(step_cpu_s)
-        if len(self.step_cpu_s) == self.window:
+    def observe(self, step_cpu_s: float, tokens: float) -> None:
+        """One step's CPU time (the process's) and the tokens it ran (sampled plus trained)."""
+        self.steps.append((step_cpu_s, tokens))
+        if len(self.steps) == self.window:
             self._record()
 
     def close(self) -> None:
@@ -212,24 +254,26 @@ class CompileMeter:
             self._record()
 
     def _record(self) -> None:
-        if self.key is None or len(self.step_cpu_s) < 3:  # fewer steps say nothing steady
+        steady = [(cpu_s, tokens) for cpu_s, tokens in self.steps[1 : self.window] if tokens > 0]
+        if self.key is None or len(steady) < 2:  # fewer steps say nothing steady
             return
-        steady = statistics.median(self.step_cpu_s[1 : self.window])
+        rate = statistics.median(1000 * cpu_s / tokens for cpu_s, tokens in steady)
+        ktokens = statistics.median(tokens for _, tokens in steady) / 1000
         before = read_compile_record(self.key) or CompileRecord()
+        stepped = before if self._recorded_cpu_s is not None else before.with_step(self.compiled, rate, ktokens)
         self._recorded_cpu_s = self.compile_cpu_s
-        if not self.compiled:
-            _write_record(self.key, replace(before, eager_step_cpu_s=steady))
-            return
-        if not self.first_in_process:
-            record = replace(before, compiled_step_cpu_s=steady)
+        if not self.compiled or not self.first_in_process:
+            record = stepped
         elif self.was_warm and before.warm:
-            record = replace(before, warm_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
+            record = replace(stepped, warm_cpu_s=self.compile_cpu_s)
         else:
-            record = replace(before, cold_cpu_s=self.compile_cpu_s, compiled_step_cpu_s=steady)
-        _COMPILED_IN_PROCESS.add(self.key)
+            record = replace(stepped, cold_cpu_s=self.compile_cpu_s)
+        if self.compiled:
+            _COMPILED_IN_PROCESS.add(self.key)
         _write_record(self.key, record)
-        log.info("runtime.compile: compiling took %.0f CPU-s (%s cache); a steady step %.3f CPU-s",
-                 self.compile_cpu_s, "warm" if self.was_warm else "cold", steady)
+        if self.compiled:
+            log.info("runtime.compile: compiling took %.0f CPU-s (%s cache); a steady step %.3f CPU-s per 1k "
+                     "tokens", self.compile_cpu_s, "warm" if self.was_warm else "cold", rate)
 
 
 def _children_cpu_s() -> float:
@@ -251,8 +295,9 @@ def compile_pays(max_steps: int | None, min_steps: int | None, device_type: str,
 
     Cold (this machine has not compiled the shape), the run must have `min_steps` steps (None: the measured
     default for `precision`, `COLD_MIN_STEPS`). Warm, it must have enough steps for the saving per step to win
-    back a warm compile: this machine's own figures from `record` (warm compile CPU-s over eager minus compiled
-    step CPU-s) once it has them; until then `min_steps` scaled by the warm compile's share of the cold one.
+    back a warm compile: this machine's own figures from `record` (the warm compile's CPU-s over
+    `CompileRecord.saving_per_step`) once it has them; until then `min_steps` scaled by the warm compile's share
+    of the cold one.
     """
     if min_steps is None:
         min_steps = COLD_MIN_STEPS.get(precision, COLD_MIN_STEPS["fp32"])
@@ -274,9 +319,10 @@ def compile_pays(max_steps: int | None, min_steps: int | None, device_type: str,
     cost = record.warm_cpu_s if record.warm_cpu_s is not None else min(WARM_COMPILE_CPU_S, record.cold_cpu_s)
     warm = f"warm {cost:.0f}" if record.warm_cpu_s is not None else f"warm ~{cost:.0f} (not measured yet)"
     figures = f"this machine: cold compile {record.cold_cpu_s:.0f} CPU-s, {warm}"
-    if record.eager_step_cpu_s is not None and record.compiled_step_cpu_s is not None:
-        saving = record.eager_step_cpu_s - record.compiled_step_cpu_s
-        figures += f", step {record.eager_step_cpu_s:.3f} eager / {record.compiled_step_cpu_s:.3f} compiled"
+    measured = record.saving_per_step()
+    if measured is not None:
+        saving, steps = measured
+        figures += f", {steps}"
         if saving <= 0:
             return False, f"the compiled step is no faster than the eager one here ({figures})"
         needed = max(1, math.ceil(cost / saving - 1e-9))

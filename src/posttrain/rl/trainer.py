@@ -274,7 +274,7 @@ def _train(recipe: RLRecipe, backend: RLBackend, runtime: Runtime, tokenizer, ou
                 break
             metrics, events = _iteration(run, cursor.step, evaluate, logs)
             if compile_meter is not None:  # the first steps' CPU time: what compiling cost, and a steady step
-                compile_meter.observe(metrics["time/step_cpu_s"])
+                compile_meter.observe(metrics["time/step_cpu_s"], metrics["tokens/sampled"] + metrics["tokens/trained"])
             cursor.step += 1
             cursor.train_seconds += metrics["time/step_s"]  # the time budget counts training, not evaluation
             alarms = [event for event in events if event["kind"] in ALARM_KINDS]

@@ -32,7 +32,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.train.forward import _after_head, _splittable, final_logit_softcap, selected_logits, target_logprobs
+from posttrain.train.forward import (
+    _after_head,
+    _splittable,
+    decoder_hidden,
+    final_logit_softcap,
+    selected_logits,
+    target_logprobs,
+)
 
 # Scored tokens per chunk: 1,024 x 32k vocab is 128 MiB of fp32 logits; smaller chunks only add dispatch.
 LOSS_CHUNK_TOKENS = 1024
@@ -65,8 +72,8 @@ def scored_token_stats(
                                  **model_kwargs)
         return _stats(logits, targets, temperature, entropy)
     decoder, head = parts
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     **model_kwargs).last_hidden_state[:, :-1][select]
+    hidden = decoder_hidden(decoder, input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            **model_kwargs)[:, :-1][select]
     return chunked_head_stats(model, head, hidden, targets, temperature=temperature, entropy=entropy,
                               chunk_tokens=chunk_tokens)
 
@@ -106,7 +113,7 @@ def summed_cross_entropy(model: torch.nn.Module, input_ids: torch.Tensor, select
         return -scored_token_stats(model, input_ids, select, targets, chunk_tokens=chunk_tokens,
                                    **model_kwargs).logprobs.sum()
     model_kwargs.setdefault("use_cache", False)
-    hidden = parts[0](input_ids=input_ids, **model_kwargs).last_hidden_state[:, :-1][select]
+    hidden = decoder_hidden(parts[0], input_ids, **model_kwargs)[:, :-1][select]
     return head_cross_entropy(model, parts[1], hidden, targets, chunk_tokens=chunk_tokens)
 
 

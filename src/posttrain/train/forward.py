@@ -53,10 +53,30 @@ def selected_logits(
                        **model_kwargs).logits
         return logits[:, :-1][select].float()
     decoder, head = parts
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **model_kwargs
-    ).last_hidden_state
+    hidden = decoder_hidden(decoder, input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            **model_kwargs)
     return _after_head(model, head(hidden[:, :-1][select]).float())
+
+
+def decoder_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
+    """The decoder stack's last hidden states [B, T, H] (`_single_row_eagerly` when it is compiled)."""
+    with _single_row_eagerly(decoder, input_ids.size(0)):
+        return decoder(input_ids=input_ids, **model_kwargs).last_hidden_state
+
+
+def _single_row_eagerly(decoder: torch.nn.Module, rows: int):
+    """A compiled decoder first called on batches of several rows runs a batch of one row eagerly.
+
+    torch specializes sizes 0 and 1, so a single row would cost a graph of its own (a recompile: ~10-30 CPU-s on
+    a 2-core machine, more cold) for batches that are rare in such a run: RL's mini-batch whose every sequence
+    has zero advantage runs its shortest one, a micro-batch split leaves one sequence over. A decoder whose first
+    call had one row (packed SFT rows with `micro_batch_size: 1`) keeps compiling them: that is its graph."""
+    if getattr(decoder, "_compiled_call_impl", None) is None:
+        return contextlib.nullcontext()
+    first = getattr(decoder, "_posttrain_first_rows", None)
+    if first is None:
+        decoder._posttrain_first_rows = first = rows
+    return torch.compiler.set_stance("force_eager") if rows == 1 and first > 1 else contextlib.nullcontext()
 
 
 # Logit rescalings some families apply after the head that `selected_logits` does not reproduce.
