@@ -1,9 +1,15 @@
 #!/bin/sh
 # System packages posttrain uses: bubblewrap (sandbox for untrusted code) and chromium (report rendering test).
-# Installs them with apt where they are missing and we are root; otherwise says how.
+# `sh scripts/sysdeps.sh [package ...]` (default: both) installs those missing with apt where we are root;
+# otherwise says how.
+packages="${*:-bubblewrap chromium}"
 missing=""
-command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
-command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+for package in $packages; do
+  case "$package" in
+    bubblewrap) command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap" ;;
+    *) command -v "$package" >/dev/null 2>&1 || missing="$missing $package" ;;
+  esac
+done
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing system packages:$missing"
