@@ -67,9 +67,10 @@ def decoder_hidden(decoder: torch.nn.Module, input_ids: torch.Tensor, **model_kw
 def _single_row_eagerly(decoder: torch.nn.Module, rows: int):
     """A compiled decoder first called on batches of several rows runs a batch of one row eagerly.
 
-    torch specializes sizes 0 and 1, so a single row would cost a graph of its own (a recompile: ~10-30 CPU-s on
-    a 2-core machine, more cold) for batches that are rare in such a run: RL's mini-batch whose every sequence
-    has zero advantage runs its shortest one, a micro-batch split leaves one sequence over. A decoder whose first
+    torch specializes sizes 0 and 1, so a single row would cost a graph of its own (a recompile: 13.5 CPU-s with
+    a cold cache, ~1.5 warm, tiny-3m on a 2-core machine, docs/benchmarks.md) for batches that are rare in such
+    a run: RL's mini-batch whose every sequence has zero advantage runs its shortest one, a micro-batch split
+    leaves one sequence over. A decoder whose first
     call had one row (packed SFT rows with `micro_batch_size: 1`) keeps compiling them: that is its graph."""
     if getattr(decoder, "_compiled_call_impl", None) is None:
         return contextlib.nullcontext()
