@@ -236,8 +236,10 @@ def test_the_next_launcher_removes_what_launchers_killed_with_their_trainer_left
     """A launcher killed hard with its trainer (a Ray worker's children die with the worker) leaves its two empty
     directories in the temp dir, and nobody removed them: every such death left two more. The next launcher
     removes every such pair nobody holds (a live launcher holds its directory's flock), and nothing with
-    contents, no link, no directory a live launcher holds, nothing of another name."""
+    contents, no link, no directory a live launcher holds, nothing of another name. A directory a launcher made
+    and died before locking (`.posttrain-sandbox-new-*`) goes once it is a minute old."""
     import fcntl
+    import time
 
     with SandboxPool(1, tmp_dir=str(open_tmp)) as first:
         assert Sandbox(pool=first).run(["true"]).ok
@@ -246,11 +248,14 @@ def test_the_next_launcher_removes_what_launchers_killed_with_their_trainer_left
         assert live.name.startswith(f"posttrain-sandbox-{uid}-")
     assert list(open_tmp.iterdir()) == []  # a launcher that exits removes its own
     stale = [open_tmp / f"posttrain-sandbox-{u}-4242-k1ll3d{suffix}" for u in (uid, uid + 7) for suffix in ("", "-ro")]
+    stale.append(open_tmp / ".posttrain-sandbox-new-d13d")  # made two minutes ago, never locked
     held = open_tmp / "posttrain-sandbox-77-4343-h0ld1ng"  # a live launcher's, from another pid namespace say
     kept = [held, open_tmp / f"{held.name}-ro", open_tmp / "posttrain-sandbox-77-4444-full",
-            open_tmp / "posttrain-sandbox-77-4545-link", open_tmp / "posttrain-sandbox-0ldn4me", open_tmp / "target"]
+            open_tmp / "posttrain-sandbox-77-4545-link", open_tmp / "posttrain-sandbox-0ldn4me", open_tmp / "target",
+            open_tmp / ".posttrain-sandbox-new-j0st"]  # just made: its launcher may be about to lock it
     for directory in stale + [path for path in kept if "link" not in path.name]:
         directory.mkdir()
+    os.utime(stale[-1], (time.time() - 120, time.time() - 120))
     (kept[2] / "data").write_text("kept")
     kept[3].symlink_to(kept[5], target_is_directory=True)
     lock = os.open(held, os.O_RDONLY | os.O_DIRECTORY)

@@ -15,6 +15,7 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 import traceback
 
 import cgroups as cgroup_mod
@@ -24,7 +25,10 @@ import syscalls
 import wire
 from slot import Slot, prune_mounts
 
-_FRESH = ".posttrain-sandbox-new-"  # a launcher's directory until it holds its lock (no sweep matches it)
+_FRESH = ".posttrain-sandbox-new-"  # a launcher's directory until it holds its lock (and renames it)
+# A fresh directory this old that nobody locks is a launcher's that died between making and locking it (its
+# window is microseconds: the age keeps the sweep away from one whose launcher is about to lock it).
+_FRESH_STALE_S = 60.0
 _OURS = re.compile(r"posttrain-sandbox-\d+-\d+-[^/]+\Z")  # a launcher's directory (or its -ro) of this version
 
 
@@ -108,21 +112,29 @@ def _remove_stale_directories(tmp_dir: str) -> None:
     its ``-ro``). Its mounts lived in its own mount namespace, so on the host they are empty. The trainer removes
     them when it kills a launcher itself; nobody did when the trainer died with it (a Ray worker's children are
     killed with the worker), and every such death left two more. Stale: nobody holds the directory's flock (a
-    live launcher does, from any pid or mount namespace); a ``-ro`` whose directory is gone. Only empty
-    directories of our own user, never through a link, with rmdir: nothing with contents is ever removed."""
+    live launcher does, from any pid or mount namespace); a ``-ro`` whose directory is gone; a fresh directory
+    (`_FRESH`) older than `_FRESH_STALE_S` that nobody locks. Only empty directories of our own user, never
+    through a link, with rmdir: nothing with contents is ever removed."""
     try:
-        names = [entry.name for entry in os.scandir(tmp_dir) if _OURS.match(entry.name)]
+        names = [entry.name for entry in os.scandir(tmp_dir)
+                 if _OURS.match(entry.name) or entry.name.startswith(_FRESH)]
     except OSError:
         return
     for name in sorted(names, key=lambda n: (n.endswith("-ro"), n)):  # a directory before its -ro
         path = os.path.join(tmp_dir, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue  # gone
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        if name.startswith(_FRESH) and time.time() - info.st_mtime < _FRESH_STALE_S:
+            continue  # its launcher may not hold its lock yet
         owner = path[:-len("-ro")] if name.endswith("-ro") else None
         if (os.path.lexists(owner) if owner else _locked(path)):
             continue
         try:
-            info = os.lstat(path)
-            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
-                os.rmdir(path)
+            os.rmdir(path)
         except OSError:
             pass  # not empty, or gone: left as it is
 
