@@ -6,7 +6,9 @@
 Same model (the built-in tiny Llama, same weights: initialised with seed 0, then `--warm-start-steps` steps of a
 seeded SFT on 1-2 digit additions answered directly, once per preset, so that pass rates are mixed -- from the
 random model every group fails and every advantage is 0, which posttrain's update skips: its training half would
-vanish), same prompts (additions of `--levels` digits, 1 and 2 by default, drawn uniformly on both sides), same reward (the
+vanish), same prompts (additions of `--levels` digits, 1 and 2 by default, drawn uniformly on both sides, each group a
+fresh problem: `--uniform-prompts`, the default; the scheduler's own priority favours problems with reward
+spread, so its batches would hold fewer zero-advantage groups than TRL's), same reward (the
 arithmetic domain's exact-answer verifier), same sampling (temperature 1, the same max completion length, 8
 completions per prompt), one precision for both (``--precision``: ``auto``, the recipe default, is bf16 autocast
 where the CPU has native bf16 and fp32 elsewhere; posttrain gets it as `runtime.precision`, TRL `bf16=True` when it
@@ -111,8 +113,11 @@ def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | st
             "output_dir": out,
             "model": {"path": str(base)},
             "domains": [{"name": "arithmetic", "args": {"operators": "+"}, "levels": args.levels, "heldout": 0}],
-            # levels drawn uniformly, as TRL's prompts are (the curriculum would start at the lowest)
-            "schedule": {"curriculum": {"enabled": False}},
+            # levels drawn uniformly, as TRL's prompts are (the curriculum would start at the lowest); with
+            # --uniform-prompts every group a fresh problem drawn uniformly, as TRL's list is (the scheduler's
+            # default favours problems with reward spread and revisits them: fewer zero-advantage groups)
+            "schedule": {"curriculum": {"enabled": False},
+                         **({"priority": {"weighting": "uniform", "max_visits": 1}} if args.uniform_prompts else {})},
             "rollout": {"prompts_per_step": args.prompts,
                         "sampling": {"group_size": args.group, "max_new_tokens": args.max_new}},
             "algorithm": {"skip_zero_advantage": skip},
@@ -213,6 +218,10 @@ def main() -> int:
                         help="also run posttrain with rollouts one step ahead (max_staleness: 1)")
     parser.add_argument("--compare-skip", action=argparse.BooleanOptionalAction, default=True,
                         help="also run posttrain with algorithm.skip_zero_advantage off ('ours_no_skip')")
+    parser.add_argument("--uniform-prompts", action=argparse.BooleanOptionalAction, default=True,
+                        help="posttrain draws every group's problem fresh and uniformly, as TRL's prompt list is "
+                             "(--no-uniform-prompts: the scheduler's default priority, which favours problems with "
+                             "reward spread, so fewer zero-advantage groups than TRL's)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure runtime.compile (posttrain: the trainer's decoder and the engine's decode step "
                              "compiled; TRL: its torch_compile)")
@@ -241,6 +250,7 @@ def main() -> int:
         corpus += [m["content"] for m in sample.messages] + [sample.metadata.reasoning_trace]
     tokenizer = train_tokenizer(corpus, vocab_size=512)
     results: dict = {"threads": threads, "completions_per_step": args.prompts * args.group,
+                     "uniform_prompts": args.uniform_prompts,
                      "warm_start_steps": args.warm_start_steps,
                      "precision": f"{args.precision} ({'bf16' if args.bf16 else 'fp32'})"}
     ratios = []
