@@ -75,8 +75,8 @@ def warm_start(preset: str, tokenizer, steps: int, seed: int = 0):
     """The base both sides start from: the tiny model (weights seed 0) after `steps` steps of SFT on 1-2 digit
     additions answered directly (no reasoning trace: short rows, so this costs well under a CPU-minute), which
     teaches the answer format, most one-digit sums and few two-digit ones (~28% of sampled answers pass) -- so an
-    RL batch of both levels holds groups that all pass, all fail and mix. From the random model every group fails and every
-    advantage is 0. Deterministic: seeded tasks, seeded init, fp32."""
+    RL batch of both levels holds groups that all pass, all fail and mix. From the random model every group fails
+    and every advantage is 0. Deterministic: seeded tasks, seeded init, fp32."""
     import torch
 
     from posttrain.config import OptimConfig
