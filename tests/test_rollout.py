@@ -164,6 +164,49 @@ def test_group_sampling_prefills_each_prompt_once(model, tokenizer, monkeypatch)
     assert all(shape[1] == 1 for shape in seen[1:])  # then one token per running sequence
 
 
+def test_shared_prompts_prefill_a_repeated_prompt_once_and_keep_each_request_s_samples(model, tokenizer,
+                                                                                     monkeypatch):
+    """An RL group's episodes reach the engine as one-sample requests with their own seeds. With share_prompts the
+    engine prefills a repeated prompt once (its rows share its KV) and every request gets the tokens it samples
+    alone (its seed stream), in its place, with log-probs a teacher-forced forward gives (fp32: not bit-identical
+    to separate prefills, within float noise)."""
+    from posttrain.rollout import decoder
+
+    texts = ("12+3=", "the quick brown fox jumps", "12+3=", "Answer:", "12+3=", "the quick brown fox jumps")
+    reqs = requests(tokenizer, texts)
+    seeds = [40 + i for i in range(len(reqs))]
+    sampling = SamplingParams(max_new_tokens=8, n=2, stop_token_ids=[tokenizer("3")["input_ids"][-1]])
+    plain = HFEngine(model, tokenizer).generate(reqs, sampling, request_seeds=seeds)
+    shared = HFEngine(model, tokenizer, share_prompts=True)
+    seen = []
+    original = decoder._layers
+
+    def spy(x, *args):
+        seen.append(tuple(x.shape[:2]))
+        return original(x, *args)
+
+    monkeypatch.setattr(decoder, "_layers", spy)
+    groups = shared.generate(reqs, sampling, request_seeds=seeds)
+    assert seen[0][0] == 3  # three distinct prompts prefilled, not six
+    assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in plain]
+    assert [[c.request_id for c in g] for g in groups] == [[r.request_id] * 2 for r in reqs]
+    for a_group, b_group in zip(groups, plain):
+        for a, b in zip(a_group, b_group):
+            assert a.finish_reason == b.finish_reason and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert max_gap(model, reqs, groups, 1.0) < 1e-4
+    assert len({tuple(c.token_ids) for g in groups[::2] for c in g}) > 1  # one prompt, other seeds: other samples
+
+
+def test_rl_s_rollout_share_prompts_reaches_its_engine(model, tokenizer):
+    from posttrain.config import RLRecipe
+    from posttrain.rl.backend import make_engine
+
+    runtime = type("Runtime", (), {"autocast_dtype": None})()
+    assert make_engine(model, tokenizer, runtime, RLRecipe()).share_prompts is False  # off by default
+    recipe = RLRecipe.model_validate({"rollout": {"share_prompts": True}})
+    assert make_engine(model, tokenizer, runtime, recipe).share_prompts is True
+
+
 def test_stop_rule_cuts_on_token_boundaries(tokenizer):
     ids = tokenizer("ab\n\ncd ef")["input_ids"]
     assert [tokenizer.decode([i]) for i in ids][:5] == ["a", "b", "\n", "\n", "c"]

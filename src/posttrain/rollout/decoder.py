@@ -24,7 +24,7 @@ tokens only, so a padded prompt sees the positions it would see alone.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -390,8 +390,10 @@ class DecoderRunner:
 
     # ---- prefill: the prompts attend to themselves ------------------------------------------------------
 
-    def prefill(self, prompts: list[list[int]], rows_per_prompt: int, max_new_tokens: int) -> torch.Tensor:
-        """Run the distinct prompts once; each gets `rows_per_prompt` rows. Logits [rows, vocab].
+    def prefill(self, prompts: list[list[int]], rows_per_prompt: int | Sequence[int],
+                max_new_tokens: int) -> torch.Tensor:
+        """Run the distinct prompts once; each gets `rows_per_prompt` rows (one count for all, or one per
+        prompt), the rows in prompt order. Logits [rows, vocab].
 
         Prompts longer than `prefill_chunk` run `prefill_chunk` columns at a time through all layers (each
         chunk attends to the KV of the chunks before it and causally to itself): the attention scores are
@@ -411,7 +413,9 @@ class DecoderRunner:
         for start in range(0, width, chunk):
             hidden = self._prefill_columns(ids, valid, positions, start, min(width, start + chunk), layers)
         logits = _logits(hidden[:, -1], self.final_norm, self._head(), self.dims)
-        rows_prompt = torch.arange(len(prompts), device=self.device).repeat_interleave(rows_per_prompt)
+        counts = rows_per_prompt if isinstance(rows_per_prompt, int) else torch.tensor(rows_per_prompt,
+                                                                                       device=self.device)
+        rows_prompt = torch.arange(len(prompts), device=self.device).repeat_interleave(counts)
         self.prompt_bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, float("-inf"))
         self.keys = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]
         self.values = [self._empty(max_new_tokens, len(rows_prompt)) for _ in self.layers]

@@ -148,6 +148,11 @@ class HFEngine:
     then 1.15x the eager tokens per CPU-second on tiny-3m: worth it for a long-lived engine, not for one call).
     ``speculative`` (a `Speculation`) decodes by speculative rounds: a draft model or prompt lookup proposes
     tokens, the model verifies them (same output distribution and logprobs; `posttrain.rollout.speculative`).
+    ``share_prompts=True`` prefills a prompt that several requests of one call carry (an RL group's episodes,
+    each its own request with its own seed) once, its rows sharing its KV, as one request with ``n`` samples
+    does: each row keeps its seed stream and its place in the results. On the demo's RL batch (16 code prompts of
+    ~70-110 tokens x 8 episodes, bf16) 2.5-3x faster; the rows' numerics are the shared layout's, not
+    bit-identical to separate prefills (fp32 logprobs differ in the last bits), hence off by default for now.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class HFEngine:
         kv_widen_limit_mb: float = KV_WIDEN_LIMIT_MB,
         prefill_chunk: int | None = PREFILL_CHUNK,
         speculative: Speculation | None = None,
+        share_prompts: bool = False,
     ):
         if hasattr(model, "peft_config"):
             raise RolloutError(
@@ -199,6 +205,7 @@ class HFEngine:
             raise RolloutError(f"HFEngine: kv_cache_dtype={kv_cache_dtype!r}; use 'auto', 'model' or 'float32'")
         self.kv_cache_dtype, self.kv_widen_limit_mb = kv_cache_dtype, kv_widen_limit_mb
         self.prefill_chunk = prefill_chunk
+        self.share_prompts = share_prompts
         self._runner = self._make_runner(runner, compile)
         self._speculator = None if speculative is None else Speculator(self.model, self.autocast, speculative)
         if speculative is not None:
@@ -329,12 +336,17 @@ class HFEngine:
             self._speculate(prompts, row_limits, row_seeds, sampling, record)
             return record.completions()
         steps = max(row_limits)
+        shared = self._shared_prompts(prompts, sampling.n, image_inputs)
+        if shared is not None:  # rows reordered by prompt; put back in `record.completions`' order at the end
+            prompts, counts, order = shared
+            row_limits, row_seeds = [row_limits[r] for r in order], [row_seeds[r] for r in order]
+            record = _Record(row_limits, record.rule)
         if isinstance(self._runner, DecoderRunner):
             self._runner.kv_dtype = self._kv_dtype(prompts, len(row_limits), steps)
         if image_inputs and any(image_inputs):
             logits = self._runner.prefill(prompts, sampling.n, steps, image_inputs)
         else:
-            logits = self._runner.prefill(prompts, sampling.n, steps)
+            logits = self._runner.prefill(prompts, sampling.n if shared is None else counts, steps)
         self._note_kv_memory()
         sampler = Sampler(sampling, row_seeds, steps, self.device)
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
@@ -353,7 +365,29 @@ class HFEngine:
             logits = self._runner.decode(sampled)
         self._note_kv_memory()  # the generic runner's cache grows as it decodes
         self._count(record)
-        return record.completions()
+        completions = record.completions()
+        if shared is not None:
+            unshared: list[Any] = [None] * len(completions)
+            for position, row in enumerate(shared[2]):
+                unshared[row] = completions[position]
+            completions = unshared
+        return completions
+
+    def _shared_prompts(self, prompts: list[list[int]], n: int, image_inputs: list[dict[str, Any] | None] | None
+                        ) -> tuple[list[list[int]], list[int], list[int]] | None:
+        """With `share_prompts`, when some prompts of the chunk are the same: the distinct prompts, the rows each
+        gets, and the original rows (request i's sample j is row i * n + j) in that order; else None."""
+        if not self.share_prompts or not isinstance(self._runner, DecoderRunner) or any(image_inputs or []):
+            return None
+        first: dict[tuple[int, ...], int] = {}
+        rows: dict[int, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            distinct = first.setdefault(tuple(prompt), len(first))
+            rows.setdefault(distinct, []).extend(range(index * n, (index + 1) * n))
+        if len(first) == len(prompts):
+            return None
+        order = [row for distinct in range(len(first)) for row in rows[distinct]]
+        return [list(prompt) for prompt in first], [len(rows[d]) for d in range(len(first))], order
 
     def _kv_dtype(self, prompts: list[list[int]], rows: int, steps: int) -> torch.dtype:
         """The KV storage dtype for a chunk: float32 (fastest to read) while the widened cache is small and the
