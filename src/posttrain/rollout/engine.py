@@ -331,22 +331,22 @@ class HFEngine:
         image_inputs: list[dict[str, Any] | None] | None = None,
     ) -> list[tuple[list[int], list[float], str, str]]:
         row_limits = [limit for limit in limits for _ in range(sampling.n)]
+        rows_per_prompt: int | list[int] = sampling.n
+        order = None if self._speculator is not None else self._shared_prompts(prompts, sampling.n, image_inputs)
+        if order is not None:  # rows grouped by prompt; put back in the requests' order at the end
+            prompts, rows_per_prompt, order = order
+            row_limits, row_seeds = [row_limits[r] for r in order], [row_seeds[r] for r in order]
         record = _Record(row_limits, StopRule(self.tokenizer, self.eos_ids, sampling, self.placeholder_ids))
         if self._speculator is not None:
             self._speculate(prompts, row_limits, row_seeds, sampling, record)
             return record.completions()
         steps = max(row_limits)
-        shared = self._shared_prompts(prompts, sampling.n, image_inputs)
-        if shared is not None:  # rows reordered by prompt; put back in `record.completions`' order at the end
-            prompts, counts, order = shared
-            row_limits, row_seeds = [row_limits[r] for r in order], [row_seeds[r] for r in order]
-            record = _Record(row_limits, record.rule)
         if isinstance(self._runner, DecoderRunner):
             self._runner.kv_dtype = self._kv_dtype(prompts, len(row_limits), steps)
         if image_inputs and any(image_inputs):
             logits = self._runner.prefill(prompts, sampling.n, steps, image_inputs)
         else:
-            logits = self._runner.prefill(prompts, sampling.n if shared is None else counts, steps)
+            logits = self._runner.prefill(prompts, rows_per_prompt, steps)
         self._note_kv_memory()
         sampler = Sampler(sampling, row_seeds, steps, self.device)
         batch: list[int | None] = list(range(len(row_limits)))  # batch position -> row, None once finished
@@ -366,11 +366,9 @@ class HFEngine:
         self._note_kv_memory()  # the generic runner's cache grows as it decodes
         self._count(record)
         completions = record.completions()
-        if shared is not None:
-            unshared: list[Any] = [None] * len(completions)
-            for position, row in enumerate(shared[2]):
-                unshared[row] = completions[position]
-            completions = unshared
+        if order is not None:
+            inverse = sorted(range(len(order)), key=order.__getitem__)  # position of each original row
+            completions = [completions[position] for position in inverse]
         return completions
 
     def _shared_prompts(self, prompts: list[list[int]], n: int, image_inputs: list[dict[str, Any] | None] | None
@@ -379,15 +377,12 @@ class HFEngine:
         gets, and the original rows (request i's sample j is row i * n + j) in that order; else None."""
         if not self.share_prompts or not isinstance(self._runner, DecoderRunner) or any(image_inputs or []):
             return None
-        first: dict[tuple[int, ...], int] = {}
-        rows: dict[int, list[int]] = {}
+        rows: dict[tuple[int, ...], list[int]] = {}  # each distinct prompt's rows, in order of first appearance
         for index, prompt in enumerate(prompts):
-            distinct = first.setdefault(tuple(prompt), len(first))
-            rows.setdefault(distinct, []).extend(range(index * n, (index + 1) * n))
-        if len(first) == len(prompts):
+            rows.setdefault(tuple(prompt), []).extend(range(index * n, (index + 1) * n))
+        if len(rows) == len(prompts):
             return None
-        order = [row for distinct in range(len(first)) for row in rows[distinct]]
-        return [list(prompt) for prompt in first], [len(rows[d]) for d in range(len(first))], order
+        return [list(prompt) for prompt in rows], [len(r) for r in rows.values()], [r for g in rows.values() for r in g]
 
     def _kv_dtype(self, prompts: list[list[int]], rows: int, steps: int) -> torch.dtype:
         """The KV storage dtype for a chunk: float32 (fastest to read) while the widened cache is small and the
