@@ -176,7 +176,7 @@ def read_compile_record(key: str) -> CompileRecord | None:
         fields = {}
         for name, spec in CompileRecord.__dataclass_fields__.items():
             value = data.get(name)
-            if spec.default == ():
+            if isinstance(spec.default, tuple):  # a figure per run
                 fields[name] = tuple(float(v) for v in value) if isinstance(value, list) else ()
             else:
                 fields[name] = float(value) if value is not None else None
