@@ -202,9 +202,9 @@ def test_rl_s_rollout_share_prompts_reaches_its_engine(model, tokenizer):
     from posttrain.rl.backend import make_engine
 
     runtime = type("Runtime", (), {"autocast_dtype": None})()
-    assert make_engine(model, tokenizer, runtime, RLRecipe()).share_prompts is False  # off by default
-    recipe = RLRecipe.model_validate({"rollout": {"share_prompts": True}})
-    assert make_engine(model, tokenizer, runtime, recipe).share_prompts is True
+    assert make_engine(model, tokenizer, runtime, RLRecipe()).share_prompts is True  # on by default
+    recipe = RLRecipe.model_validate({"rollout": {"share_prompts": False}})
+    assert make_engine(model, tokenizer, runtime, recipe).share_prompts is False
 
 
 def test_stop_rule_cuts_on_token_boundaries(tokenizer):

@@ -94,9 +94,9 @@ class RolloutConfig(Section):
     engine_threads: int | None = None  # torch threads of the rollout side when overlapping with training
     speculative: SpeculativeConfig = SpeculativeConfig()  # hf engine only; the draft is not trained along
     # hf engine: prefill a prompt once for all the episodes of a step that send it (a group's), as one request
-    # with n samples; each keeps its seed stream. 2.5-3x faster sampling on the demo's code prompts, but not
-    # bit-identical to separate prefills, so off until the demo's figures are remeasured with it (docs/rollout.md)
-    share_prompts: bool = False
+    # with n samples; each keeps its seed stream. 2.5-3x faster sampling on the demo's code prompts; not
+    # bit-identical to separate prefills (fp32 logprobs differ in the last bits): false gives those (docs/rollout.md)
+    share_prompts: bool = True
 
 
 class PolicyLossConfig(Section):
