@@ -76,11 +76,11 @@ def guard_figures(result, suites: list) -> dict[str, Any]:
     names = [suite.name for suite in suites]
     counts = {suite.name: sum(1 for line in Path(suite.path).read_text().splitlines() if line.strip())
               for suite in suites}
-    evaluations = [{"step": int(e["step"]), "seconds": round(e["seconds"], 1), "final": bool(e.get("final")),
+    evaluations = [{"step": int(e["step"]), "seconds": round(e["seconds"], 3), "final": bool(e.get("final")),
                     "pass_rate": {name: e[f"regression/{name}"] for name in names if f"regression/{name}" in e}}
                    for e in result.evaluations]
     return {"items": counts, "evaluations": evaluations,
-            "eval_seconds": round(sum(e["seconds"] for e in result.evaluations), 1),
+            "eval_seconds": round(sum(e["seconds"] for e in result.evaluations), 3),
             "events": [e for e in result.events if e.get("suite") in names],
             "replay_samples": int(sum(m.get("guard/replay_samples", 0.0) for m in result.history)),
             "replay_tokens": int(sum(m.get("guard/replay_tokens", 0.0) for m in result.history))}
