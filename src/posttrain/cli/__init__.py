@@ -33,8 +33,8 @@ STAGES: dict[str, tuple[str, str]] = {
              "posttrain.cli.stages:evaluate"),
     "data": ("the data flywheel: `data pairs` / `data sft` from verified episodes (a run's episodes.jsonl)",
              "posttrain.cli.stages:data"),
-    "demo": ("the whole pipeline on the built-in tiny model (CPU: 29-35 minutes on 2 cores with bf16 by seed, "
-             "~62 in fp32, estimated; --quick ~20)",
+    "demo": ("the whole pipeline on the built-in tiny model (CPU: 17-26 minutes on 2 cores with bf16, by "
+             "machine; ~62 in fp32, estimated; --quick ~20)",
              "posttrain.cli.demo:main"),
     "validate": ("check a recipe without training: schema, model and tokenizer, data counts, one rendered "
                  "sample with its loss mask, estimated steps and tokens", "posttrain.cli.validate:main"),
