@@ -104,7 +104,8 @@ def warm_start(preset: str, tokenizer, steps: int, seed: int = 0):
     return model.eval()
 
 
-def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | str = "auto", skip: bool = True) -> dict:
+def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | str = "auto", skip: bool = True,
+             shared_prefix: bool = False) -> dict:
     from posttrain.config.rl import RLRecipe
     from posttrain.rl import run_rl
 
@@ -122,7 +123,8 @@ def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | st
                         "sampling": {"group_size": args.group, "max_new_tokens": args.max_new}},
             "algorithm": {"skip_zero_advantage": skip},
             "optim": {"lr": 1e-4, "schedule": "constant"},
-            "train": {"max_steps": args.steps + args.warmup, "micro_batch_size": args.prompts * args.group},
+            "train": {"max_steps": args.steps + args.warmup, "micro_batch_size": args.prompts * args.group,
+                      "shared_prefix": shared_prefix},
             "pipeline": {"max_staleness": staleness, "self_test": False},
             "runtime": {"precision": args.precision, "num_threads": threads, "compile": compile_},
             "tracking": {"tensorboard": False, "progress": False},
@@ -222,6 +224,9 @@ def main() -> int:
                         help="posttrain draws every group's problem fresh and uniformly, as TRL's prompt list is "
                              "(--no-uniform-prompts: the scheduler's default priority, which favours problems with "
                              "reward spread, so fewer zero-advantage groups than TRL's)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="also the defaults with train.shared_prefix (a group scored behind one copy of its "
+                             "prompt; opt-in), as ours_shared_prefix")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure runtime.compile (posttrain: the trainer's decoder and the engine's decode step "
                              "compiled; TRL: its torch_compile)")
@@ -260,11 +265,14 @@ def main() -> int:
             torch.set_num_threads(threads)
             save_model_dir(base, warm_start(preset, tokenizer, args.warm_start_steps), tokenizer)
             runs: dict[str, list[dict]] = {"ours": [], "ours_no_skip": [], "ours_overlap": [], "ours_compiled": [],
-                                           "ours_overlap_compiled": [], "trl": [], "trl_compiled": []}
+                                           "ours_overlap_compiled": [], "ours_shared_prefix": [], "trl": [],
+                                           "trl_compiled": []}
             for _ in range(args.repeats):
                 runs["ours"].append(run_ours(base, args, 0, threads))
                 if have_trl:
                     runs["trl"].append(run_trl(base, args, threads))
+                if args.shared_prefix:
+                    runs["ours_shared_prefix"].append(run_ours(base, args, 0, threads, shared_prefix=True))
                 if args.compare_skip:
                     runs["ours_no_skip"].append(run_ours(base, args, 0, threads, skip=False))
                 if args.overlap:
@@ -290,6 +298,8 @@ def main() -> int:
                 entry["best"] = max(ours, key=ours.get)
                 entry["ratio"] = round(ours[entry["best"]] / trl, 3)  # posttrain's fastest configuration
                 entry["ratio_default"] = round(ours["ours"] / trl, 3)  # the recipe defaults on this short run: eager
+                if "ours_shared_prefix" in ours:  # the defaults plus train.shared_prefix (opt-in)
+                    entry["ratio_shared_prefix"] = round(ours["ours_shared_prefix"] / trl, 3)
                 # the same by CPU time (the process's, every thread): what a shared machine's wall time blurs
                 trl_cpu = max(value["cpu_samples_per_s"] for key, value in entry.items() if key.startswith("trl"))
                 entry["cpu_ratio_default"] = round(entry["ours"]["cpu_samples_per_s"] / trl_cpu, 3)

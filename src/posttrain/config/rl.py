@@ -187,6 +187,9 @@ class RLTrainConfig(Section):
     max_minutes: float | None = None
     micro_batch_size: int = Field(64, gt=0)  # sequences per forward/backward
     updates_per_batch: int = Field(1, gt=0)  # optimizer steps per rollout batch (PPO mini-batches)
+    # score a group's sequences in one row behind one copy of their prompt (posttrain.train.shared_prefix):
+    # the same log-probs up to float rounding, ~1/group_size of the prompt tokens; checked families only
+    shared_prefix: bool = False
     log_every: int = Field(1, gt=0)
     eval_every: int | None = None
     save_every: int | None = None

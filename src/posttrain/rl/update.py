@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -58,6 +60,7 @@ from posttrain.models import is_lora, load_weights_from_checkpoint, merged_copy,
 from posttrain.train import (
     DataParallel,
     LOCAL,
+    SHARED_PREFIX_MAX_SEQUENCE,
     PeakMemory,
     Runtime,
     aggregate,
@@ -68,11 +71,17 @@ from posttrain.train import (
     logprob_gap_stats,
     optimizer_step,
     per_token_policy_loss,
+    prompt_end,
     scored_token_stats,
     sft_loss_sum,
+    shared_prefix_batch,
+    shared_prefix_token_stats,
+    shared_prefix_unsupported,
     truncated_importance_weights,
 )
 from posttrain.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 # (input_ids, attention_mask, score_mask, **image_inputs) -> reference log-probs of the scored tokens, [N]
 ReferenceFn = Callable[..., torch.Tensor]
@@ -90,6 +99,7 @@ class UpdateSettings:
     max_grad_norm: float | None
     normalizer: float | None = None  # the `constant` aggregation's divisor (the recipe: max_new_tokens)
     updates_per_batch: int = 1  # optimizer steps per batch (PPO mini-batches)
+    shared_prefix: bool = False  # a group's sequences scored behind one copy of their prompt (train.shared_prefix)
 
     @classmethod
     def of(cls, recipe: RLRecipe, runtime: Runtime, pad_id: int) -> UpdateSettings:
@@ -97,7 +107,8 @@ class UpdateSettings:
         return cls(loss=recipe.algorithm, runtime=runtime, pad_id=pad_id,
                    temperature=train_temperature(recipe),
                    micro_batch_size=recipe.train.micro_batch_size, max_grad_norm=recipe.optim.max_grad_norm,
-                   normalizer=sampling.max_new_tokens, updates_per_batch=recipe.train.updates_per_batch)
+                   normalizer=sampling.max_new_tokens, updates_per_batch=recipe.train.updates_per_batch,
+                   shared_prefix=recipe.train.shared_prefix)
 
 
 def train_temperature(recipe: RLRecipe) -> float:
@@ -152,6 +163,10 @@ class LocalPolicy:
         self.reference = reference
         self.optimization = Optimization(model, recipe.optim, recipe.train.max_steps * recipe.train.updates_per_batch)
         self.settings = UpdateSettings.of(recipe, runtime, tokenizer.pad_token_id)
+        reason = shared_prefix_unsupported(model) if self.settings.shared_prefix else None
+        if reason:
+            log.warning("train.shared_prefix: off for this model, %s; scoring the padded layout", reason)
+            self.settings = dataclasses.replace(self.settings, shared_prefix=False)
 
     def update(self, trajectories: list[Trajectory], advantages: list[float] | list[list[float]], replay: list | None
                ) -> dict[str, float]:
@@ -231,6 +246,8 @@ def rl_update(
     for mini, part in zip(minis, trained):
         if not mini:
             continue
+        if settings.shared_prefix:  # a group's sequences in one micro-batch, so that they share their prompt's row
+            part = prompts_together(trajectories, part)
         stats = _accumulate_gradients(model, trajectories, advantages, mini, part, settings, reference=reference,
                                       proximal=proximal, parallel=parallel)
         largest_micro = max(largest_micro, int(stats.pop("micro_batch_tokens")))
@@ -263,12 +280,21 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         num_seqs = len(chunk)
-        sums.largest_micro = max(sums.largest_micro, int(micro.input_ids.numel()))
+        layout = None
+        if settings.shared_prefix and not micro.image_inputs and micro.input_ids.shape[1] <= SHARED_PREFIX_MAX_SEQUENCE:
+            layout = shared_prefix_batch([trajectories[i].token_ids for i in chunk],
+                                         [trajectories[i].loss_mask for i in chunk], settings.pad_id, runtime.device)
+            layout = layout if layout.input_ids.shape[0] < num_seqs else None  # no prompt shared: padded rows
+        sums.largest_micro = max(sums.largest_micro, layout.tokens if layout else int(micro.input_ids.numel()))
         with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
-            logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
-                                                   temperature=temperature, entropy=True,
-                                                   attention_mask=micro.attention_mask,
-                                                   **micro.images_for(model))
+            if layout is not None:
+                logprobs, entropy = shared_prefix_token_stats(model, layout, micro.targets, temperature=temperature,
+                                                              entropy=True)
+            else:
+                logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                                       temperature=temperature, entropy=True,
+                                                       attention_mask=micro.attention_mask,
+                                                       **micro.images_for(model))
         weights = None
         if config.old_policy == "behaviour":
             old = micro.behaviour
@@ -518,6 +544,17 @@ def longest_first(trajectories: Sequence[Trajectory]) -> list[int]:
     """Micro-batches of similar lengths waste less padding. The order is a pure function of the batch, so a
     synchronous and an asynchronous run of the same batch compute the same sums."""
     return sorted(range(len(trajectories)), key=lambda i: -len(trajectories[i].token_ids))
+
+
+def prompts_together(trajectories: Sequence[Trajectory], order: list[int]) -> list[int]:
+    """`order` with the sequences of one prompt (everything before the first scored token) next to each other,
+    prompts in the order their first sequence had: micro-batches then hold whole groups. Only the order of the
+    sums changes."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index in order:
+        ids = trajectories[index].token_ids
+        groups.setdefault(tuple(ids[: prompt_end(ids, trajectories[index].loss_mask)]), []).append(index)
+    return [index for members in groups.values() for index in members]
 
 
 def mini_batches(trajectories: Sequence[Trajectory], updates_per_batch: int) -> list[list[int]]:

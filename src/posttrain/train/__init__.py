@@ -10,6 +10,14 @@ Recipe modules are leaves: what two recipes share lives here (`train.pairs` for 
 """
 
 from posttrain.train.chunked import LOSS_CHUNK_TOKENS, TokenStats, chunked_head_stats, scored_token_stats
+from posttrain.train.shared_prefix import (
+    MAX_SEQUENCE as SHARED_PREFIX_MAX_SEQUENCE,
+    SharedPrefixBatch,
+    prompt_end,
+    shared_prefix_batch,
+    shared_prefix_token_stats,
+    shared_prefix_unsupported,
+)
 from posttrain.train.context_parallel import (
     all_reduce_gradients,
     all_reduce_sum,
@@ -127,6 +135,12 @@ __all__ = [
     "run_sft",
     "save_training",
     "scored_token_stats",
+    "SHARED_PREFIX_MAX_SEQUENCE",
+    "SharedPrefixBatch",
+    "prompt_end",
+    "shared_prefix_batch",
+    "shared_prefix_token_stats",
+    "shared_prefix_unsupported",
     "seed_everything",
     "selected_logits",
     "setup_runtime",
