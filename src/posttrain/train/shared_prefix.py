@@ -1,17 +1,18 @@
 """Scoring a group's completions behind one copy of their prompt (`train.shared_prefix`, opt-in).
 
-An RL group is `G` completions of one prompt. The padded layout runs the prompt `G` times, once per row; this
-layout runs it once per row: a row holds a prompt followed by continuations of its sequences (up to `ROW_FACTOR`
-times the longest sequence; more start another row behind another copy of the prompt),
-with positions that restart after the prompt for every continuation and a mask that lets a continuation's tokens
-see the prompt and the earlier tokens of their own continuation only. Every scored token then sees exactly the
+An RL group is `G` completions of one prompt. The padded layout runs the prompt `G` times, once in each
+sequence's row. Here a row holds one copy of a prompt followed by the continuations of its sequences (up to
+`ROW_FACTOR` times the longest sequence; more go behind another copy of the prompt in another row), with positions
+that restart after the prompt for every continuation and a mask that lets a continuation's tokens see the prompt
+and the earlier tokens of their own continuation only. Every scored token then sees exactly the
 tokens it saw in its own row, at the same positions, so the log-probs are the padded layout's up to float
 rounding (tests/test_shared_prefix.py), for ~1/G of the prompt's tokens: on the demo's code prompts (~90 tokens,
 answers ~40) about 2.5x fewer tokens through the decoder.
 
 Only for a model whose attention is the plain causal kind that a 4D mask describes (`shared_prefix_unsupported`
 says why not otherwise): transformers passes a 4D mask through as is, so a sliding window, a bidirectional image
-span or a recurrent layer would be silently dropped. The prompt of a sequence is everything before its first
+span or a recurrent layer would be silently dropped, and only families checked against their padded forward
+(`FAMILIES`). The prompt of a sequence is everything before its first
 scored token, so multi-turn trajectories (tool observations between scored turns) share their first prompt and
 keep the rest as their own continuation.
 """
