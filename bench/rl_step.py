@@ -2,6 +2,7 @@
 
     python bench/rl_step.py [--presets tiny-3m] [--prompts 8] [--group 8] [--max-new 32] [--steps 12] [--repeats 3]
                             [--warm-start-steps 400] [--levels 1 2] [--no-compare-skip] [--no-overlap]
+                            [--shared-prefix]
 
 Same model (the built-in tiny Llama, same weights: initialised with seed 0, then `--warm-start-steps` steps of a
 seeded SFT on 1-2 digit additions answered directly, once per preset, so that pass rates are mixed -- from the

@@ -141,8 +141,7 @@ def test_an_rl_update_on_the_shared_layout_steps_as_the_padded_one(tiny_tokenize
     shared, stats_shared = _update(tiny_tokenizer, True, micro)
     padded, stats_padded = _update(tiny_tokenizer, False, micro)
     for key in ("loss", "pg_loss", "entropy", "ratio_mean"):
-        if key in stats_padded:
-            assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-6), key
+        assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(shared.parameters(), padded.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
@@ -159,3 +158,9 @@ def test_the_recipe_knob_reaches_the_update_and_an_unchecked_family_falls_back(c
     with caplog.at_level("WARNING"):
         policy = LocalPolicy(build("gemma2"), tokenizer, runtime, recipe)
     assert policy.settings.shared_prefix is False and "shared_prefix: off for this model" in caplog.text
+
+
+def test_no_shared_prompt_gives_no_layout():
+    """Sequences of distinct prompts keep the padded layout: no mask to build for the same rows."""
+    assert shared_prefix_batch([[1, 2, 3], [1, 4, 5]], [[0, 0, 1], [0, 1, 1]], 0, "cpu") is None
+    assert shared_prefix_batch([[1, 2, 3], [1, 2, 5]], [[0, 0, 1], [0, 0, 1]], 0, "cpu") is not None

@@ -284,7 +284,6 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         if settings.shared_prefix and not micro.image_inputs and micro.input_ids.shape[1] <= SHARED_PREFIX_MAX_SEQUENCE:
             layout = shared_prefix_batch([trajectories[i].token_ids for i in chunk],
                                          [trajectories[i].loss_mask for i in chunk], settings.pad_id, runtime.device)
-            layout = layout if layout.input_ids.shape[0] < num_seqs else None  # no prompt shared: padded rows
         sums.largest_micro = max(sums.largest_micro, layout.tokens if layout else int(micro.input_ids.numel()))
         with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
             if layout is not None:

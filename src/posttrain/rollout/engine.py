@@ -152,7 +152,8 @@ class HFEngine:
     each its own request with its own seed) once, its rows sharing its KV, as one request with ``n`` samples
     does: each row keeps its seed stream and its place in the results. On the demo's RL batch (16 code prompts of
     ~70-110 tokens x 8 episodes, bf16) 2.5-3x faster; the rows' numerics are the shared layout's, not
-    bit-identical to separate prefills (fp32 logprobs differ in the last bits), hence off by default for now.
+    bit-identical to separate prefills (fp32 logprobs differ in the last bits), so off for a bare engine; RL's
+    recipe turns it on (`rollout.share_prompts`, docs/rollout.md).
     """
 
     def __init__(

@@ -61,11 +61,6 @@ ROW_FACTOR = 4
 MAX_SEQUENCE = 1024
 
 
-def row_limit(longest: int) -> int:
-    """The longest row the layout builds for sequences of at most `longest` tokens."""
-    return ROW_FACTOR * longest
-
-
 @dataclass(frozen=True)
 class SharedPrefixBatch:
     """The layout of one micro-batch: `input_ids` and `position_ids` [R, L], `mask` [R, 1, L, L] (True: may
@@ -77,8 +72,7 @@ class SharedPrefixBatch:
     mask: torch.Tensor
     rows: torch.Tensor
     columns: torch.Tensor
-    sequences: int  # sequences the batch scores
-    tokens: int  # tokens through the decoder (the padded layout: sequences x their longest)
+    tokens: int  # tokens through the decoder: rows x the longest row
 
 
 def prompt_end(token_ids: Sequence[int], loss_mask: Sequence[int]) -> int:
@@ -87,15 +81,18 @@ def prompt_end(token_ids: Sequence[int], loss_mask: Sequence[int]) -> int:
 
 
 def shared_prefix_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], pad_id: int,
-                        device: torch.device | str) -> SharedPrefixBatch:
-    """The layout of sequences `token_ids`, whose tokens with `loss_masks` 1 are scored (never the first)."""
+                        device: torch.device | str) -> SharedPrefixBatch | None:
+    """The layout of sequences `token_ids`, whose tokens with `loss_masks` 1 are scored (never the first); None
+    when no two of them share a prompt (the padded layout is then the same rows without a mask)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     starts = []
     for index, (ids, mask) in enumerate(zip(token_ids, loss_masks)):
         first = prompt_end(ids, mask)
         starts.append(first)
         groups.setdefault(tuple(ids[:first]), []).append(index)
-    limit = row_limit(max(len(ids) for ids in token_ids))
+    if len(groups) == len(token_ids):
+        return None
+    limit = ROW_FACTOR * max(len(ids) for ids in token_ids)
     layouts = []  # per row: its ids, positions, segment of each column, and per sequence the column it starts at
     for prompt, members in groups.items():
         row = None
@@ -136,7 +133,7 @@ def shared_prefix_batch(token_ids: Sequence[Sequence[int]], loss_masks: Sequence
         input_ids=input_ids.to(device), position_ids=position_ids.to(device), mask=mask.unsqueeze(1).to(device),
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         columns=torch.tensor(columns, dtype=torch.long, device=device),
-        sequences=len(token_ids), tokens=len(layouts) * width)
+        tokens=len(layouts) * width)
 
 
 def shared_prefix_token_stats(model: torch.nn.Module, batch: SharedPrefixBatch, targets: torch.Tensor, *,
