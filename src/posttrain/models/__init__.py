@@ -34,6 +34,7 @@ from posttrain.models.load import (
     resolve_device,
     set_attention,
 )
+from posttrain.models.kernels import prefer_prepacked, prepack, prepacked_linear
 from posttrain.models.lora import apply_lora, count_adapted, is_lora, linear_layer_names, merged_copy, reference_mode
 from posttrain.models.parts import attention_kernel, disable_dropout, split_head
 from posttrain.models.rope import RopeScalingError, apply_rope_scaling, context_length, rope_parameters
@@ -63,6 +64,9 @@ from posttrain.models.vision import (
 )
 
 __all__ = [
+    "prefer_prepacked",
+    "prepack",
+    "prepacked_linear",
     "IMAGE_TOKEN",
     "VISION_TEXT_KEYS",
     "build_tiny_vlm",

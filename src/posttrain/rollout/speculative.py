@@ -181,11 +181,12 @@ class BlockRunner:
 
         x = F.embedding(tokens, base.body.embed_tokens.weight)
         cos, sin = base.cos[columns].unsqueeze(2), base.sin[columns].unsqueeze(2)  # [rows, width, 1, D]
-        hidden = _layers(x, cos, sin, base._layer_weights(), dims, attend)
+        layers, head = base._resolve(rows)
+        hidden = _layers(x, cos, sin, layers, dims, attend)
         if last_only:
             last = torch.tensor([max(len(f), 1) - 1 for f in feeds], device=self.device)
             hidden = hidden[torch.arange(rows, device=self.device), last]
-        return _logits(hidden, base.final_norm, base._head(), dims)
+        return _logits(hidden, base.final_norm, head, dims)
 
 
 @dataclass
