@@ -1,11 +1,14 @@
 """One RL update with `train.shared_prefix` against the padded layout, on batches shaped like the demo's code RL.
 
     python bench/shared_prefix.py [--preset tiny-3m] [--groups 16] [--group 8] [--repeats 6] [--threads 2]
+                                  [--attention auto]
 
 `--groups` prompts of 71-112 tokens, each with `--group` continuations of 20-60 (random tokens, seed 0; the
 update's cost depends on the shapes, not on what the tokens say), advantages drawn from {1, -1, 0.5}, bf16
 autocast where the CPU has native bf16 (`precision: auto`), one micro-batch of 64 sequences at a time, an SGD
-optimizer at lr 0 (the weights stay put, so every repeat runs the same update). The two layouts alternate; the
+optimizer at lr 0 (the weights stay put, so every repeat runs the same update), the attention a recipe's
+``model.attn_implementation`` would give (``--attention``; ``auto`` is posttrain's variable-length kernel on a CPU,
+which runs the shared layout's 4D mask through its dense path). The two layouts alternate; the
 figures are the process's CPU seconds per update, medians over the repeats after the first. Ends by printing one
 JSON line: {"bench": "shared_prefix", ..., "ratio": padded / shared}.
 """
@@ -23,7 +26,7 @@ import torch
 
 from posttrain.config import RuntimeConfig
 from posttrain.config.rl import PolicyLossConfig
-from posttrain.models import autocast_dtype, build_tiny_model, train_tokenizer
+from posttrain.models import autocast_dtype, build_tiny_model, set_attention, train_tokenizer
 from posttrain.rl.update import UpdateSettings, rl_update
 from posttrain.train import Runtime
 from posttrain.types import Reward, Trajectory
@@ -51,10 +54,12 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention", default="auto", help="model.attn_implementation: auto, sdpa, eager")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = train_tokenizer(["some text to train a tokenizer on " * 50, "def f(x): return x + 1"], vocab_size=300)
     model = build_tiny_model(args.preset, tokenizer, seed=0)
+    set_attention(model, args.attention, torch.device("cpu"))  # as `load_model` does for a recipe
     trajectories, advantages = batch(args.groups, args.group, 290)
     autocast = autocast_dtype(RuntimeConfig(precision="auto"), torch.device("cpu"))
     runtime = Runtime(torch.device("cpu"), autocast)
@@ -73,6 +78,7 @@ def main() -> int:
     print(f"padded {padded:.3f} CPU-s an update, shared prefix {shared:.3f}: {padded / shared:.2f}x")
     print(json.dumps({"bench": "shared_prefix", "preset": args.preset, "sequences": len(trajectories),
                       "precision": str(autocast or torch.float32).removeprefix("torch."), "threads": args.threads,
+                      "attention": model.config._attn_implementation,
                       "padded_cpu_s": round(padded, 3), "shared_cpu_s": round(shared, 3),
                       "ratio": round(padded / shared, 2), "load_avg_1m": load}))
     return 0

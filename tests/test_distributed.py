@@ -42,7 +42,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def recipe(policy_dir, output, ray_backend: bool = True, **cluster) -> RLRecipe:
+def recipe(policy_dir, output, ray_backend: bool = True, train: dict | None = None, **cluster) -> RLRecipe:
     section = {"backend": "ray", "num_rollout_workers": 2, "num_trainer_workers": 2,
                "rollout": {"num_cpus": 0.5, "threads": 1}, "trainer": {"num_cpus": 0.5, "threads": 1},
                "worker_imports": ["test_rl_pipeline"], **cluster} if ray_backend else {}
@@ -52,7 +52,7 @@ def recipe(policy_dir, output, ray_backend: bool = True, **cluster) -> RLRecipe:
         "domains": [{"name": "test_digits", "heldout": 0}],
         "rollout": {"prompts_per_step": PROMPTS, "sampling": {"group_size": GROUP, "max_new_tokens": 8}},
         "optim": {"lr": 1e-3},
-        "train": {"max_steps": STEPS, "micro_batch_size": 5, "save_every": 2},
+        "train": {"max_steps": STEPS, "micro_batch_size": 5, "save_every": 2, **(train or {})},
         "pipeline": {"self_test": True},
         "runtime": {"precision": "fp32"},
         "tracking": {"tensorboard": False, "progress": False},
@@ -232,6 +232,30 @@ def test_rl_on_ray_matches_the_one_process_run(ray_run, policy_dir, tmp_path):
     assert [e["policy_version"] for e in episodes(ray_run.output_dir)] == [
         step for step in range(STEPS) for _ in range(PROMPTS * GROUP)]
     assert all(m["time/weight_sync_s"] >= 0 and m["time/weights_gather_s"] > 0 for m in ray_run.history)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_shared_prefix_on_sharded_ranks_matches_the_one_process_run(ray_cluster, policy_dir, tmp_path):
+    """`train.shared_prefix` under a 2-rank FSDP trainer: each rank lays out the groups of its share of the batch
+    (a group split between ranks shares its prompt on each side), with the tolerances of the padded layout."""
+    from posttrain.distributed import launch_rl
+    from posttrain.rl.trainer import run_rl as run_local
+
+    shared = {"shared_prefix": True}
+    local = run_local(recipe(policy_dir, tmp_path / "local", ray_backend=False, train=shared))
+    sharded = launch_rl(recipe(policy_dir, tmp_path / "sharded", train=shared, data_parallel="fsdp"))
+    assert len(sharded.history) == len(local.history) == STEPS
+    for (loss_a, norm_a, reward_a), (loss_b, norm_b, reward_b) in zip(figures(local), figures(sharded)):
+        assert reward_a == reward_b
+        assert loss_b == pytest.approx(loss_a, abs=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-4)
+    assert max_weight_gap(local.final_dir, sharded.final_dir) < 1e-4
+    # the shared layout scored most tokens on both sides (a step that trains a single sequence has no prompt to
+    # share; the ranks' smaller micro-batches hold a lone sequence now and then)
+    shares = [(m["train/shared_prefix"], n["train/shared_prefix"]) for m, n in zip(local.history, sharded.history)]
+    assert sum(a == 1.0 and b > 0.5 for a, b in shares) >= STEPS - 1, shares
+    padded = run_local(recipe(policy_dir, tmp_path / "padded", ray_backend=False))
+    assert max_weight_gap(padded.final_dir, sharded.final_dir) < 1e-4  # the layout changes the sums' order only
 
 
 @pytest.mark.ray

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.models import VARLEN, set_attention
 from posttrain.rl.update import collate_trajectories
 from posttrain.train import scored_token_stats
 from posttrain.train.shared_prefix import shared_prefix_batch, shared_prefix_token_stats, shared_prefix_unsupported
@@ -67,18 +68,22 @@ def windowless(family: str) -> torch.nn.Module:
     return model
 
 
+def use_attention(model, attention: str) -> None:
+    set_attention(model, attention, torch.device("cpu"))  # registers posttrain's kernel for VARLEN
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", VARLEN])
 def test_shared_prefix_scores_what_the_padded_layout_scores(family, attention):
     model = build(family)
     if family in WINDOWED:
-        model.set_attn_implementation(attention)
+        use_attention(model, attention)
         assert "sliding" in shared_prefix_unsupported(model)  # with its window: refused, never laid out silently
         model = windowless(family)
     if family in ("gemma2", "gemma3"):  # soft-capped attention, alternating windows
         assert "not one checked" in shared_prefix_unsupported(model)
         return
-    model.set_attn_implementation(attention)
+    use_attention(model, attention)
     reason = shared_prefix_unsupported(model)
     assert reason is None, reason
     padded, shared, layout = both_layouts(model)
@@ -155,6 +160,9 @@ def test_the_recipe_knob_reaches_the_update_and_an_unchecked_family_falls_back(c
     tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
     runtime = Runtime(torch.device("cpu"), None)
     assert LocalPolicy(build("llama"), tokenizer, runtime, recipe).settings.shared_prefix is True
+    on_cpu = build("llama")
+    use_attention(on_cpu, VARLEN)  # what `attn_implementation: auto` loads on a CPU
+    assert LocalPolicy(on_cpu, tokenizer, runtime, recipe).settings.shared_prefix is True
     with caplog.at_level("WARNING"):
         policy = LocalPolicy(build("gemma2"), tokenizer, runtime, recipe)
     assert policy.settings.shared_prefix is False and "shared_prefix: off for this model" in caplog.text

@@ -313,6 +313,8 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         )
         loss = reduce(per_token)
         stats["pg_loss"] = float(loss.detach())
+        if settings.shared_prefix:  # the share of scored tokens that went through the shared layout
+            stats["shared_prefix"] = float(layout is not None)
         entropy = entropy if config.entropy_coef else entropy.detach()
         if config.entropy_coef:
             loss = loss - config.entropy_coef * reduce(entropy)

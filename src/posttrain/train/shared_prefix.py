@@ -24,10 +24,13 @@ from typing import Sequence
 
 import torch
 
+from posttrain.models import VARLEN
 from posttrain.train.chunked import TokenStats, chunked_head_stats
 from posttrain.train.forward import _splittable, decoder_hidden
 
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+# posttrain's variable-length kernel (what `attn_implementation: auto` runs on CPU) takes a given 4D mask through
+# its dense path (`posttrain.models.attention`), as sdpa and eager do
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", VARLEN)
 
 
 # Families whose layout was checked against their padded forward (tests/test_shared_prefix.py): rotary positions
