@@ -114,16 +114,21 @@ def test_a_wrong_mask_would_be_seen():
     assert (wrong.logprobs - padded.logprobs).abs().max() > 1e-3
 
 
-def _update(tokenizer, shared: bool, micro: int):
+def _update(tokenizer, shared: bool, micro: int, kl_coef: float = 0.0):
+    from posttrain.config import RLRecipe
     from posttrain.config.rl import PolicyLossConfig
     from posttrain.models import build_tiny_model
-    from posttrain.rl.update import UpdateSettings, rl_update
+    from posttrain.rl.update import UpdateSettings, make_reference, rl_update
     from posttrain.train import Runtime
 
     torch.manual_seed(0)
     model = build_tiny_model("tiny-1m", tokenizer, seed=0)
+    runtime = Runtime(torch.device("cpu"), None)
+    reference = None
+    if kl_coef:  # a frozen copy of the starting weights, as a run has
+        reference = make_reference(model, RLRecipe.model_validate({"algorithm": {"kl_coef": kl_coef}}), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is the gradient (Adam's first is its sign)
-    settings = UpdateSettings(loss=PolicyLossConfig(entropy_coef=0.01), runtime=Runtime(torch.device("cpu"), None),
+    settings = UpdateSettings(loss=PolicyLossConfig(entropy_coef=0.01, kl_coef=kl_coef), runtime=runtime,
                               pad_id=0, temperature=1.0, micro_batch_size=micro, max_grad_norm=None,
                               shared_prefix=shared)
     batch = trajectories()
@@ -135,7 +140,11 @@ def _update(tokenizer, shared: bool, micro: int):
         scored = [t for t, m in enumerate(trajectory.loss_mask) if m]
         for t in scored:
             trajectory.behaviour_logprobs[t] = own.pop(0) + 0.05
-    stats = rl_update(model, optimizer, None, batch, [1.0, -0.5, 0.7, 0.3, -1.1], settings)
+    if reference is not None:  # the reference moves away from the policy: a KL that is not 0
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * torch.randn_like(parameter))
+    stats = rl_update(model, optimizer, None, batch, [1.0, -0.5, 0.7, 0.3, -1.1], settings, reference=reference)
     return model, stats
 
 
@@ -147,6 +156,25 @@ def test_an_rl_update_on_the_shared_layout_steps_as_the_padded_one(tiny_tokenize
     padded, stats_padded = _update(tiny_tokenizer, False, micro)
     for key in ("loss", "pg_loss", "entropy", "ratio_mean"):
         assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(shared.parameters(), padded.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_kl_reference_scores_the_shared_layout_too(tiny_tokenizer, monkeypatch):
+    """With a KL term the reference scores the policy's layout (one forward over the shared rows, not the padded
+    ones) and gives the padded layout's KL and step."""
+    import posttrain.rl.update as update
+
+    calls = []
+    real = update.shared_prefix_token_stats
+    monkeypatch.setattr(update, "shared_prefix_token_stats", lambda model, *a, **k: calls.append(model) or
+                        real(model, *a, **k))
+    shared, stats_shared = _update(tiny_tokenizer, True, 5, kl_coef=0.1)
+    assert len(calls) == 2 and calls[0] is shared and calls[1] is not shared  # the policy, then its reference
+    padded, stats_padded = _update(tiny_tokenizer, False, 5, kl_coef=0.1)
+    assert stats_padded["kl"] > 1e-6
+    for key in ("loss", "kl", "pg_loss"):
+        assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-7), key
     for a, b in zip(shared.parameters(), padded.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 

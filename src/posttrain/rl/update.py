@@ -63,6 +63,7 @@ from posttrain.train import (
     SHARED_PREFIX_MAX_SEQUENCE,
     PeakMemory,
     Runtime,
+    SharedPrefixBatch,
     aggregate,
     build_optimizer,
     build_scheduler,
@@ -83,7 +84,7 @@ from posttrain.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-# (input_ids, attention_mask, score_mask, **image_inputs) -> reference log-probs of the scored tokens, [N]
+# (input_ids, attention_mask, score_mask, layout=None, **image_inputs) -> reference log-probs of the scored tokens, [N]
 ReferenceFn = Callable[..., torch.Tensor]
 
 
@@ -321,7 +322,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         stats["entropy"] = float(entropy.detach().mean())
         if config.kl_coef and reference is not None:
             with torch.no_grad(), runtime.autocast():
-                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask,
+                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask, layout=layout,
                                          **micro.images_for(model)).float()
             kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
             loss = loss + config.kl_coef * reduce(kl)
@@ -592,11 +593,15 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         for parameter in scorer.parameters():
             parameter.requires_grad_(False)
 
-    def reference(input_ids, attention_mask, score_mask, **image_inputs):
+    def reference(input_ids, attention_mask, score_mask, layout: SharedPrefixBatch | None = None, **image_inputs):
+        """The reference's log-probs of the scored tokens of the padded batch; with `layout` (the policy's
+        `train.shared_prefix` layout of the same batch) scored in that layout, the same tokens in the same order."""
+        targets = input_ids[:, 1:][score_mask]
         with switched():
-            return scored_token_stats(scorer, input_ids, score_mask, input_ids[:, 1:][score_mask],
-                                      temperature=temperature, attention_mask=attention_mask,
-                                      **image_inputs).logprobs
+            if layout is not None:
+                return shared_prefix_token_stats(scorer, layout, targets, temperature=temperature).logprobs
+            return scored_token_stats(scorer, input_ids, score_mask, targets, temperature=temperature,
+                                      attention_mask=attention_mask, **image_inputs).logprobs
 
     return reference
 
