@@ -114,7 +114,7 @@ def test_a_wrong_mask_would_be_seen():
     assert (wrong.logprobs - padded.logprobs).abs().max() > 1e-3
 
 
-def _update(tokenizer, shared: bool, micro: int, kl_coef: float = 0.0):
+def _update(tokenizer, shared: bool, micro: int, kl_coef: float = 0.0, proximal: bool = False):
     from posttrain.config import RLRecipe
     from posttrain.config.rl import PolicyLossConfig
     from posttrain.models import build_tiny_model
@@ -128,9 +128,9 @@ def _update(tokenizer, shared: bool, micro: int, kl_coef: float = 0.0):
     if kl_coef:  # a frozen copy of the starting weights, as a run has
         reference = make_reference(model, RLRecipe.model_validate({"algorithm": {"kl_coef": kl_coef}}), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is the gradient (Adam's first is its sign)
-    settings = UpdateSettings(loss=PolicyLossConfig(entropy_coef=0.01, kl_coef=kl_coef), runtime=runtime,
-                              pad_id=0, temperature=1.0, micro_batch_size=micro, max_grad_norm=None,
-                              shared_prefix=shared)
+    loss = PolicyLossConfig(entropy_coef=0.01, kl_coef=kl_coef, old_policy="proximal" if proximal else "behaviour")
+    settings = UpdateSettings(loss=loss, runtime=runtime, pad_id=0, temperature=1.0, micro_batch_size=micro,
+                              max_grad_norm=None, shared_prefix=shared, updates_per_batch=2 if proximal else 1)
     batch = trajectories()
     with torch.no_grad():  # behaviour log-probs: the model's own, nudged, so the ratios are not all 1
         micro_batch = collate_trajectories(batch, [0.0] * 5, 0, torch.device("cpu"))
@@ -148,6 +148,21 @@ def _update(tokenizer, shared: bool, micro: int, kl_coef: float = 0.0):
     return model, stats
 
 
+def spy_on_the_layout(monkeypatch) -> list:
+    """(model, tokens scored) of each `shared_prefix_token_stats` call, in call order."""
+    import posttrain.rl.update as update
+
+    calls = []
+    real = update.shared_prefix_token_stats
+
+    def spy(model, layout, targets, **kwargs):
+        calls.append((model, int(targets.numel())))
+        return real(model, layout, targets, **kwargs)
+
+    monkeypatch.setattr(update, "shared_prefix_token_stats", spy)
+    return calls
+
+
 @pytest.mark.parametrize("micro", [5, 2])
 def test_an_rl_update_on_the_shared_layout_steps_as_the_padded_one(tiny_tokenizer, micro):
     """The same loss, statistics and weights after the step, to float rounding (micro-batches of 2 split the
@@ -163,17 +178,28 @@ def test_an_rl_update_on_the_shared_layout_steps_as_the_padded_one(tiny_tokenize
 def test_the_kl_reference_scores_the_shared_layout_too(tiny_tokenizer, monkeypatch):
     """With a KL term the reference scores the policy's layout (one forward over the shared rows, not the padded
     ones) and gives the padded layout's KL and step."""
-    import posttrain.rl.update as update
-
-    calls = []
-    real = update.shared_prefix_token_stats
-    monkeypatch.setattr(update, "shared_prefix_token_stats", lambda model, *a, **k: calls.append(model) or
-                        real(model, *a, **k))
+    calls = spy_on_the_layout(monkeypatch)
     shared, stats_shared = _update(tiny_tokenizer, True, 5, kl_coef=0.1)
-    assert len(calls) == 2 and calls[0] is shared and calls[1] is not shared  # the policy, then its reference
+    assert [model is shared for model, _ in calls] == [True, False]  # the policy, then its reference
     padded, stats_padded = _update(tiny_tokenizer, False, 5, kl_coef=0.1)
     assert stats_padded["kl"] > 1e-6
     for key in ("loss", "kl", "pg_loss"):
+        assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-7), key
+    for a, b in zip(shared.parameters(), padded.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_proximal_forward_scores_the_shared_layout_too(tiny_tokenizer, monkeypatch):
+    """`old_policy: proximal` with two updates a batch: the log-probs before the first update come from the shared
+    layout (its micro-batches hold whole groups), and both steps equal the padded run's."""
+    calls = spy_on_the_layout(monkeypatch)
+    shared, stats_shared = _update(tiny_tokenizer, True, 5, proximal=True)
+    everything = sum(sum(mask) for _, _, mask in ROWS)  # the proximal pass scores the whole batch in one go
+    assert calls[0] == (shared, everything), calls
+    calls.clear()
+    padded, stats_padded = _update(tiny_tokenizer, False, 5, proximal=True)
+    assert not calls
+    for key in ("loss", "pg_loss", "ratio_mean"):
         assert stats_shared[key] == pytest.approx(stats_padded[key], rel=1e-4, abs=1e-7), key
     for a, b in zip(shared.parameters(), padded.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

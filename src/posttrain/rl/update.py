@@ -64,6 +64,7 @@ from posttrain.train import (
     PeakMemory,
     Runtime,
     SharedPrefixBatch,
+    TokenStats,
     aggregate,
     build_optimizer,
     build_scheduler,
@@ -270,7 +271,7 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
     """Forward/backward every micro-batch of the `trained` part of one mini-batch (all of it, or less the
     sequences `zero_advantage_skips` leaves out), normalized by the whole mini-batch; the caller takes the
     optimizer step."""
-    config, runtime, temperature = settings.loss, settings.runtime, settings.temperature
+    config, runtime = settings.loss, settings.runtime
     total_tokens = sum(trajectories[i].policy_tokens for i in mini)
     sums = _MiniBatchSums()
     size = settings.micro_batch_size
@@ -281,20 +282,9 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
         num_seqs = len(chunk)
-        layout = None
-        if settings.shared_prefix and not micro.image_inputs and micro.input_ids.shape[1] <= SHARED_PREFIX_MAX_SEQUENCE:
-            layout = shared_prefix_batch([trajectories[i].token_ids for i in chunk],
-                                         [trajectories[i].loss_mask for i in chunk], settings.pad_id, runtime.device)
+        layout = _shared_layout(trajectories, chunk, micro, settings)
         sums.largest_micro = max(sums.largest_micro, layout.tokens if layout else int(micro.input_ids.numel()))
-        with runtime.autocast():  # head and softmax in chunks of tokens: no [tokens, vocab] logits kept
-            if layout is not None:
-                logprobs, entropy = shared_prefix_token_stats(model, layout, micro.targets, temperature=temperature,
-                                                              entropy=True)
-            else:
-                logprobs, entropy = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
-                                                       temperature=temperature, entropy=True,
-                                                       attention_mask=micro.attention_mask,
-                                                       **micro.images_for(model))
+        logprobs, entropy = _score(model, micro, layout, settings, entropy=True)
         weights = None
         if config.old_policy == "behaviour":
             old = micro.behaviour
@@ -403,18 +393,40 @@ def _proximal_logprobs(model, trajectories, advantages, order: list[int], settin
     model.eval()
     cache: dict[int, torch.Tensor] = {}
     runtime, size = settings.runtime, settings.micro_batch_size
+    if settings.shared_prefix:  # whole groups per micro-batch, so that they share their prompt's row
+        order = prompts_together(trajectories, order)
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         micro = collate_trajectories([trajectories[i] for i in chunk], [advantages[i] for i in chunk],
                                      settings.pad_id, runtime.device)
-        with runtime.autocast():
-            logprobs = scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
-                                          temperature=settings.temperature, attention_mask=micro.attention_mask,
-                                          **micro.images_for(model)).logprobs
+        logprobs = _score(model, micro, _shared_layout(trajectories, chunk, micro, settings), settings).logprobs
         for row, index in enumerate(chunk):
             cache[index] = logprobs[micro.seq_index == row]
     model.train()
     return cache
+
+
+def _shared_layout(trajectories, chunk: list[int], micro: _MicroBatch, settings: UpdateSettings
+                   ) -> SharedPrefixBatch | None:
+    """The `train.shared_prefix` layout of a micro-batch, or None where it keeps the padded one (the knob off,
+    images, a sequence over the layout's length limit, no prompt shared)."""
+    if not settings.shared_prefix or micro.image_inputs or micro.input_ids.shape[1] > SHARED_PREFIX_MAX_SEQUENCE:
+        return None
+    return shared_prefix_batch([trajectories[i].token_ids for i in chunk], [trajectories[i].loss_mask for i in chunk],
+                               settings.pad_id, settings.runtime.device)
+
+
+def _score(model, micro: _MicroBatch, layout: SharedPrefixBatch | None, settings: UpdateSettings,
+           entropy: bool = False) -> TokenStats:
+    """The log-probs (and entropies) of a micro-batch's scored tokens, in `layout` or the padded rows; the head
+    and softmax in chunks of tokens (no [tokens, vocab] logits kept)."""
+    with settings.runtime.autocast():
+        if layout is not None:
+            return shared_prefix_token_stats(model, layout, micro.targets, temperature=settings.temperature,
+                                             entropy=entropy)
+        return scored_token_stats(model, micro.input_ids, micro.score_mask, micro.targets,
+                                  temperature=settings.temperature, entropy=entropy,
+                                  attention_mask=micro.attention_mask, **micro.images_for(model))
 
 
 @dataclass
