@@ -112,6 +112,8 @@ def test_the_engine_runs_prepacked_linears_with_the_same_samples(tokenizer, auto
 
 
 def test_a_weight_update_reaches_the_prepacked_copies(tokenizer):
+    if not onednn_linear_works(torch.bfloat16):
+        pytest.skip("no bfloat16 oneDNN linears in this build: nothing packed to go stale")
     engine = HFEngine(build_tiny_model("tiny-1m", tokenizer, seed=0), tokenizer, autocast="bfloat16")
     before = generate(engine, tokenizer)
     other = build_tiny_model("tiny-1m", tokenizer, seed=1).eval()
@@ -120,3 +122,43 @@ def test_a_weight_update_reaches_the_prepacked_copies(tokenizer):
     fresh = generate(HFEngine(other, tokenizer, autocast="bfloat16", prepack_weights=False), tokenizer)
     assert [[c.logprobs for c in g] for g in after] == [[c.logprobs for c in g] for g in fresh]
     assert [[c.logprobs for c in g] for g in after] != [[c.logprobs for c in g] for g in before]
+
+
+def test_speculative_decoding_follows_a_weight_update(tokenizer):
+    """The speculative runner keeps its own resolved weights (packed or not): an in-place update must reach them."""
+    from posttrain.rollout import Speculation
+
+    engine = HFEngine(build_tiny_model("tiny-3m", tokenizer, seed=0), tokenizer,
+                      speculative=Speculation(None, num_tokens=4, ngram=2))
+    prompts = [GenerationRequest(tokenizer(t)["input_ids"]) for t in ("12 + 3 =", "The answer is")]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    before = [g[0].token_ids for g in engine.generate(prompts, greedy)]
+    other = build_tiny_model("tiny-3m", tokenizer, seed=1).eval()
+    engine.update_weights(other.state_dict(), version=1)
+    after = [g[0].token_ids for g in engine.generate(prompts, greedy)]
+    assert after == [g[0].token_ids for g in HFEngine(other, tokenizer).generate(prompts, greedy)]
+    assert after != before
+
+
+def test_parameters_replaced_by_new_objects_reach_the_next_batch(tokenizer):
+    engine = HFEngine(build_tiny_model("tiny-3m", tokenizer, seed=0), tokenizer)
+    before = generate(engine, tokenizer)
+    other = build_tiny_model("tiny-3m", tokenizer, seed=1).eval()
+    engine.model.load_state_dict(other.state_dict(), assign=True)  # new Parameter objects, not an in-place copy
+    after = generate(engine, tokenizer)
+    fresh = generate(HFEngine(other, tokenizer, prepack_weights=False), tokenizer)
+    assert [[c.token_ids for c in g] for g in after] == [[c.token_ids for c in g] for g in fresh]
+    assert [[c.token_ids for c in g] for g in after] != [[c.token_ids for c in g] for g in before]
+
+
+def test_no_packing_means_none_anywhere_and_an_ambient_autocast_is_obeyed(tokenizer):
+    from posttrain.rollout import Speculation
+
+    model = build_tiny_model("tiny-3m", tokenizer, seed=0).eval()
+    speculative = HFEngine(model, tokenizer, autocast="bfloat16", prepack_weights=False,
+                           speculative=Speculation(None, num_tokens=4, ngram=2))
+    assert kernel_calls(lambda: generate(speculative, tokenizer))["packed"] == 0  # the speculative runners too
+    weight = torch.randn(768, 256)
+    x = torch.randn(64, 256)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert prepacked_linear(x, weight, None, prepack(weight)).dtype == F.linear(x, weight).dtype == torch.bfloat16

@@ -64,9 +64,6 @@ from posttrain.models.vision import (
 )
 
 __all__ = [
-    "prefer_prepacked",
-    "prepack",
-    "prepacked_linear",
     "IMAGE_TOKEN",
     "VISION_TEXT_KEYS",
     "build_tiny_vlm",
@@ -122,6 +119,9 @@ __all__ = [
     "load_training_state",
     "load_weights_from_checkpoint",
     "merged_copy",
+    "prefer_prepacked",
+    "prepack",
+    "prepacked_linear",
     "quantization_of",
     "quantize_checkpoint",
     "reference_mode",

@@ -91,6 +91,6 @@ def prefer_prepacked(rows: int, weight: torch.Tensor) -> bool:
 def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      packed: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through `packed` (the weight prepacked) when given."""
-    if packed is None or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
+    if packed is None or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)  # (under an ambient autocast F.linear casts; the packed kernel would not)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -312,7 +312,8 @@ def _accumulate_gradients(model, trajectories, advantages, mini: list[int], trai
         stats["entropy"] = float(entropy.detach().mean())
         if config.kl_coef and reference is not None:
             with torch.no_grad(), runtime.autocast():
-                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask, layout=layout,
+                shared = {"layout": layout} if layout is not None else {}  # a reference of the older signature
+                ref_logprobs = reference(micro.input_ids, micro.attention_mask, micro.score_mask, **shared,
                                          **micro.images_for(model)).float()
             kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
             loss = loss + config.kl_coef * reduce(kl)
@@ -605,12 +606,14 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         for parameter in scorer.parameters():
             parameter.requires_grad_(False)
 
+    layout_ok = shared_prefix_unsupported(scorer) is None  # a copy of the policy: the policy's answer
+
     def reference(input_ids, attention_mask, score_mask, layout: SharedPrefixBatch | None = None, **image_inputs):
         """The reference's log-probs of the scored tokens of the padded batch; with `layout` (the policy's
         `train.shared_prefix` layout of the same batch) scored in that layout, the same tokens in the same order."""
         targets = input_ids[:, 1:][score_mask]
         with switched():
-            if layout is not None:
+            if layout is not None and layout_ok:
                 return shared_prefix_token_stats(scorer, layout, targets, temperature=temperature).logprobs
             return scored_token_stats(scorer, input_ids, score_mask, targets, temperature=temperature,
                                       attention_mask=attention_mask, **image_inputs).logprobs

@@ -224,7 +224,8 @@ class ContinuousBatcher:
         self.on_step = on_step
         self.device = engine.device
         if engine.runner == "fast":
-            self._runner: DecoderRunner | GenericRunner = DecoderRunner(engine.model, engine.autocast, prepack=engine.prepack_weights)
+            self._runner: DecoderRunner | GenericRunner = DecoderRunner(engine.model, engine.autocast,
+                                                                        prepack=engine.prepack_weights)
         else:
             self._runner = GenericRunner(engine.model, engine.autocast)
         self._rows: list[_Row] = []

@@ -5,9 +5,11 @@ For decoding, a tiny model's time goes into Python and dispatch overhead and mem
 gives every sample of a group its own copy of the prompt's KV. This runner keeps preallocated time-major KV
 caches (a prompt's KV shared by its group, see `DecoderRunner`), a rotary table computed once by the model's
 own rotary module, and runs the layer maths as one flat loop of tensor ops over the module's parameters, with
-q/k/v and gate/up fused into one matmul each. The fused (and, under autocast, cast) weight copies are cached
-and re-made when a parameter's version counter changes, i.e. after any in-place update; in fp32 they cost
-one extra copy of the attention and MLP weights.
+q/k/v and gate/up fused into one matmul each. The fused (and, under autocast, cast) weight copies, and on CPU
+their copies prepacked for oneDNN (`posttrain.models.kernels`), are cached and re-made when a parameter's version
+counter changes, i.e. after any in-place update through the tensor (``copy_``, an optimizer step; a write
+through ``.data`` bumps no version and is not seen), or when a parameter is replaced by another object between
+batches; in fp32 they cost up to two extra copies of the attention and MLP weights, per runner.
 
 It computes what the Hugging Face forward computes for these architectures (Llama, Mistral without a sliding
 window, Qwen2 without a sliding window, Qwen3): the same RMSNorm (in float32, cast back), rotary embedding,
@@ -84,6 +86,9 @@ class _Weights:
         bias = None if biases[0] is None else self._cached(biases)  # type: ignore[arg-type]
         packed = rows > 0 and prefer_prepacked(rows, weight)  # type: ignore[arg-type]
         return weight, bias, self._cached(weights, pack=True) if packed else None
+
+    def clear(self) -> None:
+        self._cache.clear()
 
     def _cached(self, tensors: tuple[torch.Tensor, ...], pack: bool = False) -> torch.Tensor | None:
         if not pack and len(tensors) == 1 and (self.autocast is None or tensors[0].dtype == self.autocast):
@@ -381,7 +386,7 @@ class DecoderRunner:
         self.prefill_chunk = prefill_chunk
         self.prepack = prepack  # eager linears through prepacked oneDNN weights where they apply (on CPU)
         self.batch_rows = 0  # the rows the running batch started with (prefill/join): what kernels are chosen for
-        self._parameters = list(model.parameters())
+        self._parameters: list[torch.Tensor] = []  # what `_resolve`'s stamp watches (`watch_parameters`)
         # the parameters' stamps, and per batch size the resolved weights (`_resolve`)
         self._resolved: tuple[list, dict[int, tuple[list[_LayerWeights], Linear]]] = ([], {})
         self.peak_kv_bytes = 0
@@ -399,13 +404,22 @@ class DecoderRunner:
 
     # ---- the layer maths (module-level functions, shared with the decode step) ------------------------
 
+    def watch_parameters(self) -> None:
+        """List the model's parameters for `_resolve`'s stamp; called per batch (prefill, or a speculative runner's
+        start), so a parameter replaced by another object between batches is seen, not only one updated in place
+        (within a batch the engine's lock keeps the weights as they are)."""
+        parameters = list(self.model.parameters())
+        if [id(p) for p in parameters] != [id(p) for p in self._parameters]:
+            self.weights.clear()  # copies of replaced parameters: keyed by ids that may be reused
+        self._parameters = parameters
+
     def _resolve(self, rows: int) -> tuple[list[_LayerWeights], Linear]:
         """Every layer's tensors and the head's now, for a batch of ``rows`` rows: with prepacked weights where
         they are faster for it (0: none; a compiled step cannot take them as inputs, see
         `posttrain.models.kernels`). Resolved again only when a parameter changed (its version counter or its
         storage): a decode step of one row is ~0.1 ms of Python cheaper than looking each matmul's weights up."""
         rows = rows if self.prepack else 0
-        stamp = [(p._version, p.data_ptr()) for p in self._parameters]
+        stamp = [(id(p), p._version, p.data_ptr()) for p in self._parameters]
         if self._resolved[0] != stamp:
             self._resolved = (stamp, {})
         hit = self._resolved[1].get(rows)
@@ -431,6 +445,7 @@ class DecoderRunner:
         self._rope(width + max_new_tokens)
         counted = rows_per_prompt * len(prompts) if isinstance(rows_per_prompt, int) else sum(rows_per_prompt)
         self.batch_rows = running + counted  # fixed for the batch: one copy of each weight in use (`_resolve`)
+        self.watch_parameters()
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         valid = torch.zeros(len(prompts), width, dtype=torch.bool)
         for row, prompt in enumerate(prompts):

@@ -155,8 +155,9 @@ class HFEngine:
     bit-identical to separate prefills (fp32 logprobs differ in the last bits), so off for a bare engine; RL's
     recipe turns it on (`rollout.share_prompts`, docs/rollout.md).
     ``prepack_weights`` (on) runs the fast decoder's eager linears on CPU through weights prepacked for oneDNN
-    (`posttrain.models.kernels`; one more copy of the linear weights): fp32 ~2x the `F.linear` rate where MKL
-    runs below the core's peak (an AMD EPYC with AVX-512), bf16 faster and bit-identical; off, `F.linear`.
+    (`posttrain.models.kernels`): fp32 ~2x the `F.linear` rate where MKL runs below the core's peak (an AMD EPYC
+    with AVX-512), bf16 faster and bit-identical; the price is one more copy of the linear weights per runner
+    (continuous batching and speculative decoding have runners of their own); off, `F.linear`.
     """
 
     def __init__(
@@ -213,7 +214,8 @@ class HFEngine:
         self.share_prompts = share_prompts
         self.prepack_weights = prepack_weights
         self._runner = self._make_runner(runner, compile)
-        self._speculator = None if speculative is None else Speculator(self.model, self.autocast, speculative)
+        self._speculator = None if speculative is None else Speculator(self.model, self.autocast, speculative,
+                                                                         prepack_weights)
         if speculative is not None:
             log.info("HFEngine: speculative decoding (%s, %d tokens per round)", speculative.name or speculative.kind,
                      speculative.num_tokens)

@@ -120,12 +120,12 @@ class BlockRunner:
     how many of them to keep (`lengths`), so a rejected draft costs nothing to undo.
     """
 
-    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None, what: str):
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None, what: str, prepack: bool = True):
         reason = fast_path_unsupported(model)
         if reason is not None:
             raise RolloutError(f"speculative decoding: the {what} cannot take the fast decoder ({reason}); "
                                "speculation runs Llama-family models only (Llama, Mistral, Qwen2, Qwen3)")
-        self.base = DecoderRunner(model, autocast)  # its weights, rotary table and layer maths
+        self.base = DecoderRunner(model, autocast, prepack=prepack)  # its weights, rotary table and layer maths
         self.device = self.base.device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -135,6 +135,8 @@ class BlockRunner:
         """Fresh caches for the prompts (each with `rows_per_prompt` rows), holding all but each prompt's last
         token: the first round feeds that one."""
         base, count = self.base, len(prompts)
+        base.watch_parameters()
+        base.batch_rows = count * rows_per_prompt  # the kernels are chosen for the batch (`DecoderRunner._resolve`)
         base._rope(capacity)
         shape = (count, capacity, base.dims.kv_heads, base.dims.head_dim)
         # Zeros, not empty: a masked column still meets its value in the matmul (0 * NaN would be NaN).
@@ -181,7 +183,7 @@ class BlockRunner:
 
         x = F.embedding(tokens, base.body.embed_tokens.weight)
         cos, sin = base.cos[columns].unsqueeze(2), base.sin[columns].unsqueeze(2)  # [rows, width, 1, D]
-        layers, head = base._resolve(rows)
+        layers, head = base._resolve(base.batch_rows)
         hidden = _layers(x, cos, sin, layers, dims, attend)
         if last_only:
             last = torch.tensor([max(len(f), 1) - 1 for f in feeds], device=self.device)
@@ -213,10 +215,11 @@ def lookup_draft(sequence: list[int], ngram: int, count: int) -> list[int]:
 class Speculator:
     """Runs one engine chunk by speculative rounds (see the module docstring)."""
 
-    def __init__(self, target: torch.nn.Module, autocast: torch.dtype | None, speculation: Speculation):
+    def __init__(self, target: torch.nn.Module, autocast: torch.dtype | None, speculation: Speculation,
+                 prepack: bool = True):
         self.speculation = speculation
         self.k = speculation.num_tokens
-        self.target = BlockRunner(target, autocast, "target")
+        self.target = BlockRunner(target, autocast, "target", prepack)
         self.draft: BlockRunner | None = None
         if speculation.draft is not None:
             target_vocab = target.get_output_embeddings().weight.shape[0]
@@ -225,7 +228,7 @@ class Speculator:
                 raise RolloutError(f"speculative draft {speculation.name or ''}: {draft_vocab} output logits, the "
                                    f"target has {target_vocab}; a draft model must share the target's vocabulary")
             speculation.draft.to(next(target.parameters()).device)
-            self.draft = BlockRunner(speculation.draft.eval(), autocast, "draft model")
+            self.draft = BlockRunner(speculation.draft.eval(), autocast, "draft model", prepack)
 
     def release(self) -> None:
         for runner in (self.target, self.draft):
