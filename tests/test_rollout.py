@@ -197,7 +197,7 @@ def test_shared_prompts_prefill_a_repeated_prompt_once_and_keep_each_request_s_s
     assert len({tuple(c.token_ids) for g in groups[::2] for c in g}) > 1  # one prompt, other seeds: other samples
 
 
-def test_rl_s_rollout_share_prompts_reaches_its_engine(model, tokenizer):
+def test_rl_s_rollout_engine_knobs_reach_its_engine(model, tokenizer):
     from posttrain.config import RLRecipe
     from posttrain.rl.backend import make_engine
 
@@ -205,6 +205,9 @@ def test_rl_s_rollout_share_prompts_reaches_its_engine(model, tokenizer):
     assert make_engine(model, tokenizer, runtime, RLRecipe()).share_prompts is True  # on by default
     recipe = RLRecipe.model_validate({"rollout": {"share_prompts": False}})
     assert make_engine(model, tokenizer, runtime, recipe).share_prompts is False
+    assert make_engine(model, tokenizer, runtime, RLRecipe())._runner.prepack is True  # prepacked linears: default
+    recipe = RLRecipe.model_validate({"rollout": {"prepack_weights": False}})
+    assert make_engine(model, tokenizer, runtime, recipe)._runner.prepack is False
 
 
 def test_stop_rule_cuts_on_token_boundaries(tokenizer):

@@ -122,7 +122,7 @@ def make_engine(model, tokenizer, runtime: Runtime, recipe: RLRecipe, num_thread
     return HFEngine(engine_model, tokenizer, autocast=runtime.autocast_dtype,
                     max_batch_size=recipe.rollout.engine_batch_size, num_threads=num_threads,
                     compile=recipe.runtime.compile is True,  # "auto" is decided in run_rl_on
-                    share_prompts=recipe.rollout.share_prompts,
+                    share_prompts=recipe.rollout.share_prompts, prepack_weights=recipe.rollout.prepack_weights,
                     speculative=load_speculation(spec.draft, tokenizer, num_tokens=spec.num_tokens, ngram=spec.ngram))
 
 
