@@ -1,6 +1,7 @@
 """Completion tokens/s of the built-in engine (`HFEngine`) against transformers' `model.generate`.
 
     .venv/bin/python bench/generation.py [--presets tiny-3m tiny-10m] [--repeats 7] [--threads 2] [--compile]
+                                         [--unpacked] [--one-at-a-time]
 
 Same model object, same prompts (8 chat prompts), same settings: 8 samples per prompt (64 sequences), up to 64
 new tokens, temperature 1, no top-k/top-p, in fp32 and in bf16 autocast. `generate` gets
@@ -20,6 +21,11 @@ samples (a random model's near-uniform distributions understate the gap; a train
 ``--compile`` also times the engine with its decode step compiled (``HFEngine(compile=True)``, not the default)
 in the same alternation, as ``compiled``: its first (warm-up) generate pays the compile, reported apart as
 ``compile_cpu_s`` (this process's CPU seconds plus the C++ compiler's), so the timed runs are the steady state.
+
+``--unpacked`` also times the engine with ``prepack_weights=False`` (its linears through `F.linear` rather than
+weights prepacked for oneDNN, `posttrain.models.kernels`) in the same alternation, as ``unpacked``.
+``--one-at-a-time`` changes the workload on every side to the latency-bound case: each prompt its own call, one
+sample (n = 1), one after another (8 calls per run).
 
 Ends with exactly one JSON line: per preset and precision the medians and their ratio, the gaps, and
 ``"ratio"``: the engine at its fastest precision (bf16 autocast where the CPU has native bf16) over
@@ -68,27 +74,39 @@ def precision_context(precision: str):
     return contextlib.nullcontext()
 
 
+ONE_AT_A_TIME = False  # `--one-at-a-time`: each prompt its own call with one sample
+
+
+def calls(prompts: list[list[int]]) -> tuple[list[list[list[int]]], int]:
+    """The prompts as the run's calls, and the samples per prompt."""
+    return ([[p] for p in prompts], 1) if ONE_AT_A_TIME else ([prompts], SAMPLES)
+
+
 def run_engine(engine: HFEngine, prompts: list[list[int]]) -> tuple[int, float, float]:
     """Completion tokens, wall seconds and CPU seconds of one engine run."""
-    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=SAMPLES)
+    batches, samples = calls(prompts)
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, n=samples)
     started, cpu = time.perf_counter(), time.process_time()
-    groups = engine.generate([GenerationRequest(p) for p in prompts], sampling)
+    groups = [group for batch in batches for group in engine.generate([GenerationRequest(p) for p in batch], sampling)]
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     return sum(len(c.token_ids) for group in groups for c in group), seconds, cpu
 
 
 def run_transformers(model, tokenizer, prompts: list[list[int]], precision: str) -> tuple[int, float, float]:
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt", padding_side="left")
+    batches, samples = calls(prompts)
     started, cpu = time.perf_counter(), time.process_time()
-    with torch.inference_mode(), precision_context(precision):
-        output = model.generate(
-            **batch, do_sample=True, num_return_sequences=SAMPLES, max_new_tokens=NEW_TOKENS,
-            temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+    rows = []
+    for prompt_batch in batches:
+        batch = tokenizer.pad({"input_ids": prompt_batch}, return_tensors="pt", padding_side="left")
+        with torch.inference_mode(), precision_context(precision):
+            output = model.generate(
+                **batch, do_sample=True, num_return_sequences=samples, max_new_tokens=NEW_TOKENS,
+                temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        rows += output[:, batch["input_ids"].shape[1] :].tolist()
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    new = output[:, batch["input_ids"].shape[1] :]
     produced = 0
-    for row in new.tolist():  # through the first eos; what follows is padding
+    for row in rows:  # through the first eos; what follows is padding
         produced += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
     return produced, seconds, cpu
 
@@ -146,19 +164,24 @@ def children_cpu_s() -> float:
 
 
 def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats: int, train_steps: int,
-                 compiled: bool) -> dict:
+                 compiled: bool, unpacked: bool = False) -> dict:
     model = build_tiny_model(preset, tokenizer, seed=0)
     train(model, tokenizer, train_steps)
     model.eval()
     engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None) for p in precisions}
     compiled_engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None, compile=True)
                         for p in (precisions if compiled else [])}
-    sides = ["engine", "transformers"] + (["compiled"] if compiled else [])
+    unpacked_engines = {p: HFEngine(model, tokenizer, autocast="bfloat16" if p == "bf16" else None,
+                                    prepack_weights=False) for p in (precisions if unpacked else [])}
+    sides = ["engine", "transformers"] + (["compiled"] if compiled else []) + (["unpacked"] if unpacked else [])
+    others = {"compiled": compiled_engines, "unpacked": unpacked_engines, "engine": engines}
     rates = {p: {key: [] for side in sides for key in (side, f"cpu_{side}")} for p in precisions}
     compile_cpu_s = {}
     for precision in precisions:  # warm-up: kernel selection, allocator, first-call costs (and the compile)
         run_engine(engines[precision], prompts)
         run_transformers(model, tokenizer, prompts, precision)
+        if unpacked:
+            run_engine(unpacked_engines[precision], prompts)
         if compiled:
             children = children_cpu_s()
             compile_cpu_s[precision] = run_engine(compiled_engines[precision], prompts)[2] + children_cpu_s() - children
@@ -168,8 +191,7 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
                 if who == "transformers":
                     tokens, seconds, cpu = run_transformers(model, tokenizer, prompts, precision)
                 else:
-                    tokens, seconds, cpu = run_engine((engines if who == "engine" else compiled_engines)[precision],
-                                                      prompts)
+                    tokens, seconds, cpu = run_engine(others[who][precision], prompts)
                 rates[precision][who].append(tokens / seconds)
                 rates[precision][f"cpu_{who}"].append(tokens / cpu)
     result = {}
@@ -195,6 +217,14 @@ def bench_preset(preset: str, tokenizer, prompts, precisions: list[str], repeats
                 "compile_cpu_s": round(compile_cpu_s[precision], 1),
                 "logprob_gap": logprob_gap(compiled_engines[precision], model, prompts),
             }
+        if unpacked:
+            cpu_transformers = statistics.median(runs["cpu_transformers"])
+            result[precision]["unpacked"] = {
+                "tokens_per_s": round(statistics.median(runs["unpacked"])),
+                "ratio": round(statistics.median(runs["unpacked"]) / transformers, 2),
+                "cpu_ratio": round(statistics.median(runs["cpu_unpacked"]) / cpu_transformers, 2),
+                "packed_over_unpacked": round(engine / statistics.median(runs["unpacked"]), 2),
+            }
     return result
 
 
@@ -212,7 +242,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--train-steps", type=int, default=0, help="train the model first (see above)")
     parser.add_argument("--compile", action="store_true", help="also time the engine's compiled decode step")
+    parser.add_argument("--unpacked", action="store_true", help="also time the engine with prepack_weights=False")
+    parser.add_argument("--one-at-a-time", action="store_true", help="each prompt its own call, n = 1")
     args = parser.parse_args()
+    global ONE_AT_A_TIME
+    ONE_AT_A_TIME = args.one_at_a_time
     load_start = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,7 +255,7 @@ def main() -> None:
     results = {}
     for preset in args.presets:
         results[preset] = bench_preset(preset, tokenizer, prompts, args.precisions, args.repeats, args.train_steps,
-                                       args.compile)
+                                       args.compile, args.unpacked)
         for precision, figures in results[preset].items():
             gap = figures["logprob_gap"]
             print(
@@ -237,9 +271,14 @@ def main() -> None:
                       f"(CPU time: {c['cpu_tokens_per_s']:,}, ratio {c['cpu_ratio']:.2f}; the compile "
                       f"{c['compile_cpu_s']} CPU-s)   "
                       f"logprob gap vs fp32 trainer {c['logprob_gap']['vs_trainer_fp32']}")
+            if "unpacked" in figures:
+                u = figures["unpacked"]
+                print(f"{'':9s} {precision:5s} unpacked {u['tokens_per_s']:>7,} tok/s   ratio {u['ratio']:.2f} "
+                      f"(CPU ratio {u['cpu_ratio']:.2f}); prepacked over unpacked {u['packed_over_unpacked']:.2f}")
     summary = {
         "bench": "generation",
-        "sequences": PROMPTS * SAMPLES,
+        "sequences": PROMPTS * (1 if ONE_AT_A_TIME else SAMPLES),
+        "one_at_a_time": ONE_AT_A_TIME,
         "max_new_tokens": NEW_TOKENS,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
