@@ -121,8 +121,9 @@ def head_cross_entropy(model: torch.nn.Module, head: torch.nn.Module, hidden: to
                        *, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """Summed cross-entropy of `targets` [N] from `hidden` [N, H] (the final hidden states at the scored
     positions) through `head`: fused where the head allows it, else checkpointed chunks (see the module)."""
+    # (A sharded head -- FSDP2's DTensor parameters -- is gathered by its own forward hooks only: the chunks call it.)
     fused = (isinstance(head, torch.nn.Linear) and head.bias is None and final_logit_softcap(model) is None
-             and torch.is_grad_enabled())
+             and torch.is_grad_enabled() and type(head.weight.data) is torch.Tensor)
     if not fused:
         return -chunked_head_stats(model, head, hidden, targets, chunk_tokens=chunk_tokens).logprobs.sum()
     device = hidden.device.type
