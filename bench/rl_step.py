@@ -29,7 +29,9 @@ from whatever posttrain's compile cache held (cold on a fresh machine), the othe
 `"ours_no_skip"` is the defaults with `algorithm.skip_zero_advantage` off (TRL trains on zero-advantage completions
 too), `"cpu_ratio_default_no_skip"` its CPU ratio; `"zero_adv_fraction"` is each side's share of completions whose
 group had no reward spread (posttrain: 1 - `dynamic/signal_share`; TRL: its `frac_reward_zero_std`), a row's
-`"skipped_fraction"` the share the update left out, `"pass_rate"` the mean training reward.
+`"skipped_fraction"` the share the update left out, `"pass_rate"` the mean training reward, and the
+`--shared-prefix` row's `"shared_prefix_share"` the share of scored tokens the layout scored (0 would mean the run
+refused it: its log says why).
 
 samples/s = completions per step / seconds per step; tokens/s counts completion tokens.
 Ends by printing one JSON line: {"bench": "rl_step", "results": {...}, "ratio": ours / TRL (samples/s)}.
@@ -144,7 +146,10 @@ def run_ours(base: Path, args, staleness: int, threads: int, compile_: bool | st
             "zero_adv_fraction": statistics.mean(1.0 - m.get("dynamic/signal_share", 0.0) for m in steady),
             "skipped_fraction": statistics.mean(m.get("train/skipped_zero_adv_sequences", 0.0) for m in steady)
             / (args.prompts * args.group),
-            "pass_rate": statistics.mean(m.get("reward/pass_rate", 0.0) for m in steady)}
+            "pass_rate": statistics.mean(m.get("reward/pass_rate", 0.0) for m in steady),
+            # with train.shared_prefix: the share of scored tokens the layout scored (0: refused, see the run's log)
+            **({"shared_prefix_share": statistics.mean(m.get("train/shared_prefix", 0.0) for m in steady)}
+               if shared_prefix else {})}
 
 
 def run_trl(base: Path, args, threads: int, compile_: bool = False) -> dict:
@@ -285,7 +290,7 @@ def main() -> int:
                     if args.overlap:
                         runs["ours_overlap_compiled"].append(run_ours(base, args, 1, threads, compile_=True))
             fields = ("samples_per_s", "tokens_per_s", "step_s", "cpu_samples_per_s", "step_cpu_s",
-                      "zero_adv_fraction", "skipped_fraction", "pass_rate")
+                      "zero_adv_fraction", "skipped_fraction", "pass_rate", "shared_prefix_share")
             entry = {
                 key: {field: round(statistics.median(r[field] for r in value), 3) for field in fields if field in value[0]}
                 for key, value in runs.items() if value
