@@ -242,7 +242,7 @@ def main() -> int:
     import torch
 
     from posttrain.config import RuntimeConfig
-    from posttrain.models import autocast_dtype, build_tiny_model, save_model_dir, train_tokenizer
+    from posttrain.models import autocast_dtype, save_model_dir, train_tokenizer
     from posttrain.tasks import get_domain, sample_tasks
 
     threads = args.threads or torch.get_num_threads()
@@ -298,14 +298,14 @@ def main() -> int:
             if have_trl:
                 baselines = {key: value["samples_per_s"] for key, value in entry.items() if key.startswith("trl")}
                 entry["baseline"] = max(baselines, key=baselines.get)  # TRL's fastest configuration
-                trl = baselines[entry["baseline"]]
+                trl_rate = baselines[entry["baseline"]]
                 ours = {key: value["samples_per_s"] for key, value in entry.items()
                         if key.startswith("ours") and key != "ours_no_skip"}
                 entry["best"] = max(ours, key=ours.get)
-                entry["ratio"] = round(ours[entry["best"]] / trl, 3)  # posttrain's fastest configuration
-                entry["ratio_default"] = round(ours["ours"] / trl, 3)  # the recipe defaults on this short run: eager
+                entry["ratio"] = round(ours[entry["best"]] / trl_rate, 3)  # posttrain's fastest configuration
+                entry["ratio_default"] = round(ours["ours"] / trl_rate, 3)  # the recipe defaults on this short run: eager
                 if "ours_shared_prefix" in ours:  # the defaults plus train.shared_prefix (opt-in)
-                    entry["ratio_shared_prefix"] = round(ours["ours_shared_prefix"] / trl, 3)
+                    entry["ratio_shared_prefix"] = round(ours["ours_shared_prefix"] / trl_rate, 3)
                 # the same by CPU time (the process's, every thread): what a shared machine's wall time blurs
                 trl_cpu = max(value["cpu_samples_per_s"] for key, value in entry.items() if key.startswith("trl"))
                 entry["cpu_ratio_default"] = round(entry["ours"]["cpu_samples_per_s"] / trl_cpu, 3)
@@ -314,7 +314,7 @@ def main() -> int:
                 # the share of completions with zero advantage (groups without reward spread), each side's batches
                 entry["zero_adv_fraction"] = {key: entry[key]["zero_adv_fraction"] for key in ("ours", "trl")}
                 if "ours_compiled" in ours:  # what the defaults run on a run long enough to win the compile back
-                    entry["ratio_default_long_run"] = round(ours["ours_compiled"] / trl, 3)
+                    entry["ratio_default_long_run"] = round(ours["ours_compiled"] / trl_rate, 3)
                     entry["cpu_ratio_default_long_run"] = round(entry["ours_compiled"]["cpu_samples_per_s"] / trl_cpu, 3)
                     # per repeat, in order: the first compiles from whatever the cache holds, the rest from a warm one
                     entry["compile_cpu_s"] = [round(r["first_steps_extra_cpu_s"], 1) for r in runs["ours_compiled"]]
