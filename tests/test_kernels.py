@@ -38,6 +38,24 @@ def test_a_prepacked_linear_computes_f_linear(x_shape, out, bias):
             assert torch.equal(packed, F.linear(xb.float(), wb.float(), None if bb is None else bb.float()))
 
 
+def test_bfloat16_prepacked_gives_the_bits_of_f_linear_over_a_sweep():
+    """The sweep docs/benchmarks.md cites: 10 row counts x 6 weight shapes x with and without bias."""
+    if not onednn_linear_works(torch.bfloat16):
+        pytest.skip("no bfloat16 oneDNN linears in this build")
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for rows in (1, 2, 3, 7, 8, 16, 33, 64, 128, 500):
+        for out, inner in ((192, 64), (768, 256), (256, 512), (1152, 896), (40, 48), (37, 100)):
+            weight = torch.randn(out, inner, generator=generator).bfloat16()
+            x = torch.randn(rows, inner, generator=generator).bfloat16()
+            packed = prepack(weight)
+            for bias in (None, torch.randn(out, generator=generator).bfloat16()):
+                with torch.inference_mode():
+                    assert torch.equal(prepacked_linear(x, weight, bias, packed), F.linear(x, weight, bias))
+                checked += 1
+    assert checked == 120
+
+
 def test_prepack_declines_what_it_cannot_run():
     assert prepack(torch.randn(8, 4, dtype=torch.float16)) is None  # not a dtype oneDNN packs here
     assert prepack(torch.randn(8)) is None  # not a matrix

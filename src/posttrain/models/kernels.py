@@ -4,7 +4,7 @@
 below the core's peak — measured on a 2-core AMD EPYC with AVX-512 (CPU family 26): float32 linears of 64 rows
 x 256 -> 768 at ~110 GFLOP/s through `F.linear`, ~240 through oneDNN with the weight prepacked; oneDNN's JIT
 picks the ISA from the CPU's features. bfloat16 `F.linear` already runs oneDNN but reorders the weight on every
-call; prepacked it is 10-60% faster and gives the same bits (the same kernel on the same operands). Both
+call; prepacked it is 1.03-2.18x faster and gives the same bits (the same kernel on the same operands). Both
 kernels compute a float32 matmul in float32 (no reduced-precision mode: the error against a float64 reference is
 the same, ~2e-6 at these shapes); only the order of the sums differs, so results agree to float rounding.
 
@@ -15,10 +15,10 @@ copies on the parameter's version counter. `torch.compile` cannot take a packed 
 Where MKL is faster: small float32 matmuls, where oneDNN's fixed cost per call (~9-11 us) outweighs its
 faster inner loop. Measured on the same core, 1 thread, the crossover is at ~0.5M multiply-adds for two rows or
 more (2 x 256 -> 512, 0.26M: MKL 12 us, oneDNN 16; 4 x 256 -> 512: 19 against 16) and ~2M for a single row
-(1 x 896 -> 1,152: 53 against 57; 1 x 1,024 -> 2,048: 129 against 100). The choice is made per weight for a
-whole batch (`prefer_prepacked`, from the batch's rows), not per call: a weight whose prefill ran on its packed
-copy and whose decode steps ran on the dense one keeps both copies in the cache (batch-1 sampling on tiny-3m
-was 6% slower that way than with `F.linear` throughout).
+(1 x 896 -> 1,152: MKL 1.1x ahead; 1 x 1,024 -> 2,048: even); `bench/linear_kernels.py` measures them. The
+choice is made per weight for a whole batch (`prefer_prepacked`, from the batch's rows), not per call: a weight
+whose prefill ran on its packed copy and whose decode steps ran on the dense one keeps both copies in the cache
+(batch-1 sampling on tiny-3m was 6% slower that way than with `F.linear` throughout, in a development A/B).
 
 Use: ``packed = prepack(weight)`` (None where the kernel is unavailable: not a CPU tensor, a dtype other than
 float32/bfloat16, a torch built without oneDNN, or a self-check that failed); for a batch of ``rows`` rows pass

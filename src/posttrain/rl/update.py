@@ -606,14 +606,13 @@ def make_reference(model, recipe: RLRecipe, runtime: Runtime):
         for parameter in scorer.parameters():
             parameter.requires_grad_(False)
 
-    layout_ok = shared_prefix_unsupported(scorer) is None  # a copy of the policy: the policy's answer
-
     def reference(input_ids, attention_mask, score_mask, layout: SharedPrefixBatch | None = None, **image_inputs):
         """The reference's log-probs of the scored tokens of the padded batch; with `layout` (the policy's
-        `train.shared_prefix` layout of the same batch) scored in that layout, the same tokens in the same order."""
+        `train.shared_prefix` layout of the same batch, which `LocalPolicy` only builds for a model that takes it:
+        the scorer is that model's copy) scored in that layout, the same tokens in the same order."""
         targets = input_ids[:, 1:][score_mask]
         with switched():
-            if layout is not None and layout_ok:
+            if layout is not None:
                 return shared_prefix_token_stats(scorer, layout, targets, temperature=temperature).logprobs
             return scored_token_stats(scorer, input_ids, score_mask, targets, temperature=temperature,
                                       attention_mask=attention_mask, **image_inputs).logprobs

@@ -355,7 +355,7 @@ class DecoderRunner:
 
     ``prepack`` (on by default) runs the eager steps' linears on CPU through weights prepacked for oneDNN
     (`posttrain.models.kernels`: float32 ~2x faster than `F.linear` on a CPU where MKL runs below peak, bfloat16
-    10-60% and bit-identical), at the cost of one more copy of the linear weights; off, `F.linear` on the weights.
+    1.03-2.18x and bit-identical), at the cost of one more copy of the linear weights; off, `F.linear` on the weights.
     """
 
     def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None, compile: bool = False,
